@@ -1,0 +1,41 @@
+"""Ranges of the low-precision formats whose underflow and overflow the scales protect against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """The representable range of a floating-point format.
+
+    Attributes:
+        name: Short name, e.g. ``"float16"``.
+        subnormal_min: Smallest positive (subnormal) value; the paper's λmin.
+        normal_min: Smallest positive normal value; below it values keep fewer significant bits.
+        max: Largest finite value, λmax.
+    """
+
+    name: str
+    subnormal_min: float
+    normal_min: float
+    max: float
+
+
+FORMATS: dict[torch.dtype, FloatFormat] = {
+    torch.float16: FloatFormat("float16", 2.0**-24, 2.0**-14, 65504.0),
+    torch.bfloat16: FloatFormat("bfloat16", 2.0**-133, 2.0**-126, 3.3895313892515355e38),
+    torch.float8_e5m2: FloatFormat("float8_e5m2", 2.0**-16, 2.0**-14, 57344.0),
+    torch.float8_e4m3fn: FloatFormat("float8_e4m3fn", 2.0**-9, 2.0**-6, 448.0),
+}
+
+
+def float_format(dtype: torch.dtype) -> FloatFormat:
+    """Return the range of ``dtype``; raise ``ValueError`` naming the supported formats."""
+    try:
+        return FORMATS[dtype]
+    except KeyError:
+        supported = ", ".join(f"torch.{f.name}" for f in FORMATS.values())
+        raise ValueError(f"GradientScaler: dtype {dtype} is not a supported format; expected one of {supported}") from None

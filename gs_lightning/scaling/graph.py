@@ -1,0 +1,276 @@
+"""The backward DAG of Algorithm 1, read off PyTorch's autograd graph.
+
+The graph hanging off ``loss.grad_fn`` *is* the paper's DAG of backward operators: a node per
+operator, an edge per gradient. :func:`walk` records it (cheap: it runs every iteration, since
+autograd builds a new graph each forward); :func:`analyze` classifies its nodes (GEMM, cast,
+branch, leaf) and names the layers, once per distinct graph structure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.autograd.graph import Node
+
+LEAF = "AccumulateGrad"
+
+Slot = tuple[int, int]  # (node index, input slot of that node)
+
+
+@dataclass
+class AutogradGraph:
+    """One backward graph, in breadth-first order from the root (index 0).
+
+    Attributes:
+        nodes: The autograd nodes.
+        names: Their type names, e.g. ``"ConvolutionBackward0"``; parallel to ``nodes``.
+        edges: Per node, per outgoing gradient: the ``(node index, slot)`` it flows into, or
+            ``None`` where no gradient is needed.
+        in_counts: How many edges flow into each slot. A slot fed by several edges is a branch:
+            autograd sums those gradients before the receiving node runs.
+    """
+
+    nodes: list[Node]
+    names: list[str]
+    edges: list[tuple[Slot | None, ...]]
+    in_counts: dict[Slot, int]
+
+    def same_structure(self, names: tuple[str, ...] | list[str], edges: tuple | list) -> bool:
+        """Whether this graph has exactly the given node types and wiring."""
+        return len(names) == len(self.names) and tuple(names) == tuple(self.names) and tuple(edges) == tuple(self.edges)
+
+    def leaf_variables(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` this backward writes (parameters and leaf inputs)."""
+        return [node.variable for node, name in zip(self.nodes, self.names) if name == LEAF]
+
+
+def walk(root: Node) -> AutogradGraph:
+    """Record the graph reachable from ``root`` through ``next_functions``."""
+    index: dict[Node, int] = {root: 0}
+    nodes = [root]
+    names = [type(root).__name__]
+    edges: list[tuple[Slot | None, ...]] = []
+    in_counts: dict[Slot, int] = defaultdict(int)
+    i = 0
+    while i < len(nodes):
+        out: list[Slot | None] = []
+        for nxt, slot in nodes[i].next_functions:
+            if nxt is None:
+                out.append(None)
+                continue
+            j = index.get(nxt)
+            if j is None:
+                j = index[nxt] = len(nodes)
+                nodes.append(nxt)
+                names.append(type(nxt).__name__)
+            out.append((j, slot))
+            in_counts[(j, slot)] += 1
+        edges.append(tuple(out))
+        i += 1
+    return AutogradGraph(nodes, names, edges, dict(in_counts))
+
+
+# --- Operators -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """One gradient a GEMM node sends on: ∇X_k = fG(∇Y, other operand), summed over N products."""
+
+    edge: int
+    accumulation_length: float
+    operand: torch.Tensor
+
+
+def _conv_operands(node: Node, edges: tuple) -> list[GemmOperand]:
+    weight = node._saved_weight
+    kernel = weight.shape[2:]
+    if node._saved_transposed:
+        # Backward of a transposed conv is a conv: each ∇X element sums C_out/g · Πk products.
+        length = weight.shape[1] * math.prod(kernel)
+    else:
+        # Each input position is covered by about Πk/Πstride output positions per output channel.
+        stride = node._saved_stride
+        overlap = math.prod(max(1.0, k / s) for k, s in zip(kernel, stride))
+        length = weight.shape[0] // node._saved_groups * overlap
+    return [GemmOperand(0, length, weight)]
+
+
+def _addmm_operands(node: Node, edges: tuple) -> list[GemmOperand]:
+    # addmm(bias, mat1, mat2): ∇mat1 = ∇Y · mat2ᵀ (sum over mat2's columns), ∇mat2 = mat1ᵀ · ∇Y.
+    return [
+        GemmOperand(1, node._saved_mat2.shape[1], node._saved_mat2),
+        GemmOperand(2, node._saved_mat1.shape[0], node._saved_mat1),
+    ]
+
+
+def _mm_operands(node: Node, edges: tuple) -> list[GemmOperand]:
+    return [
+        GemmOperand(0, node._saved_mat2.shape[-1], node._saved_mat2),
+        GemmOperand(1, node._saved_self.shape[-2], node._saved_self),
+    ]
+
+
+def _baddbmm_operands(node: Node, edges: tuple) -> list[GemmOperand]:
+    return [
+        GemmOperand(1, node._saved_batch2.shape[-1], node._saved_batch2),
+        GemmOperand(2, node._saved_batch1.shape[-2], node._saved_batch1),
+    ]
+
+
+GEMM_OPERANDS: dict[str, Callable[[Node, tuple], list[GemmOperand]]] = {
+    "ConvolutionBackward0": _conv_operands,
+    "AddmmBackward0": _addmm_operands,
+    "MmBackward0": _mm_operands,
+    "BmmBackward0": _mm_operands,
+    "BaddbmmBackward0": _baddbmm_operands,
+}
+
+# Nodes whose insides autograd cannot see: gradients pass through them unscaled.
+OPAQUE_MARKERS = ("CompiledFunction",)
+
+_LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn}
+
+
+# --- Analysis --------------------------------------------------------------------------------
+
+
+@dataclass
+class GraphAnalysis:
+    """What each node of one graph structure is, for Algorithm 1.
+
+    Attributes:
+        gemms: Node index -> edges of the GEMM's inputs that carry activation gradients.
+        casts: Indices of nodes whose fp32 incoming gradient leaves them in a lower precision.
+        branch_slots: Slots fed by more than one edge (leaves excluded).
+        merge_nodes: Nodes with more than one input slot (split, unbind, multi-output Functions).
+        slots: Node index -> the input slots that receive gradients.
+        leaves: Indices of ``AccumulateGrad`` nodes.
+        layer_names: Name of every GEMM and cast node, for reporting.
+        opaque: Type names of nodes whose gradients pass through unscaled.
+    """
+
+    gemms: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    casts: set[int] = field(default_factory=set)
+    branch_slots: set[Slot] = field(default_factory=set)
+    merge_nodes: set[int] = field(default_factory=set)
+    slots: dict[int, set[int]] = field(default_factory=dict)
+    leaves: set[int] = field(default_factory=set)
+    layer_names: dict[int, str] = field(default_factory=dict)
+    opaque: set[str] = field(default_factory=set)
+
+
+def _leads_to_leaf(graph: AutogradGraph, target: int, hops: int = 4) -> bool:
+    """Whether an edge reaches a leaf through single-edge nodes only (casts, transposes, views)."""
+    for _ in range(hops):
+        if graph.names[target] == LEAF:
+            return True
+        nxt = [e for e in graph.edges[target] if e is not None]
+        if len(nxt) != 1:
+            return False
+        target = nxt[0][0]
+    return graph.names[target] == LEAF
+
+
+def _leaf_reached(graph: AutogradGraph, target: int, hops: int = 4) -> int | None:
+    for _ in range(hops):
+        if graph.names[target] == LEAF:
+            return target
+        nxt = [e for e in graph.edges[target] if e is not None]
+        if len(nxt) != 1:
+            return None
+        target = nxt[0][0]
+    return target if graph.names[target] == LEAF else None
+
+
+def _is_cast(graph: AutogradGraph, i: int) -> bool:
+    node = graph.nodes[i]
+    metadata = node._input_metadata
+    if len(metadata) != 1 or metadata[0].dtype not in (torch.float32, torch.float64):
+        return False
+    for edge in graph.edges[i]:
+        if edge is None or graph.names[edge[0]] == LEAF:
+            continue
+        target, slot = edge
+        if graph.nodes[target]._input_metadata[slot].dtype in _LOW_PRECISION:
+            return True
+    return False
+
+
+def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis:
+    """Classify the nodes of ``graph`` and name its layers.
+
+    Args:
+        graph: A walked backward graph.
+        module_names: ``id(parameter)`` -> qualified name of the module owning it, used to name
+            GEMMs after their layer (``"layer1.0.conv1"``); unnamed GEMMs get ``"<Op><k>"``.
+    """
+    analysis = GraphAnalysis()
+    slots_per_node: dict[int, set[int]] = defaultdict(set)
+    for (j, slot), count in graph.in_counts.items():
+        if graph.names[j] == LEAF:
+            continue
+        slots_per_node[j].add(slot)
+        if count > 1:
+            analysis.branch_slots.add((j, slot))
+    slots_per_node[0].add(0)  # the root receives the loss gradient
+    analysis.slots = dict(slots_per_node)
+    analysis.merge_nodes = {j for j, slots in slots_per_node.items() if len(slots) > 1}
+
+    seen_names: dict[str, int] = defaultdict(int)
+
+    def unique(name: str) -> str:
+        seen_names[name] += 1
+        return name if seen_names[name] == 1 else f"{name}#{seen_names[name]}"
+
+    for i, name in enumerate(graph.names):
+        if name == LEAF:
+            analysis.leaves.add(i)
+        elif name in GEMM_OPERANDS:
+            edges = graph.edges[i]
+            data_edges = tuple(
+                k for k, e in enumerate(edges) if e is not None and not _leads_to_leaf(graph, e[0])
+            )
+            analysis.gemms[i] = data_edges
+            analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
+        elif any(marker in name for marker in OPAQUE_MARKERS):
+            analysis.opaque.add(name)
+        elif _is_cast(graph, i):
+            analysis.casts.add(i)
+    for i in sorted(analysis.casts):
+        producer = _nearest_gemm(graph, i, analysis)
+        analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.cast" if producer is not None else "cast")
+    return analysis
+
+
+def _gemm_layer_name(graph: AutogradGraph, i: int, module_names: dict[int, str]) -> str | None:
+    for edge in graph.edges[i]:
+        if edge is None:
+            continue
+        leaf = _leaf_reached(graph, edge[0])
+        if leaf is not None:
+            name = module_names.get(id(graph.nodes[leaf].variable))
+            if name is not None:
+                return name
+    return None
+
+
+def _nearest_gemm(graph: AutogradGraph, start: int, analysis: GraphAnalysis, limit: int = 64) -> int | None:
+    """The first GEMM upstream in the forward (downstream in backward) of a cast: the layer it casts."""
+    frontier, visited = [start], {start}
+    while frontier and len(visited) < limit:
+        nxt = []
+        for i in frontier:
+            for edge in graph.edges[i]:
+                if edge is None or edge[0] in visited:
+                    continue
+                if edge[0] in analysis.gemms:
+                    return edge[0]
+                visited.add(edge[0])
+                nxt.append(edge[0])
+        frontier = nxt
+    return None

@@ -79,55 +79,43 @@ def walk(root: Node) -> AutogradGraph:
 
 @dataclass(frozen=True)
 class GemmOperand:
-    """One gradient a GEMM node sends on: ∇X_k = fG(∇Y, other operand), summed over N products."""
+    """One gradient a GEMM node sends on: ∇X = fG(∇Y, other operand), each element a sum of N products."""
 
-    edge: int
     accumulation_length: float
     operand: torch.Tensor
 
 
-def _conv_operands(node: Node, edges: tuple) -> list[GemmOperand]:
+def _conv_input(node: Node) -> GemmOperand:
     weight = node._saved_weight
     kernel = weight.shape[2:]
     if node._saved_transposed:
         # Backward of a transposed conv is a conv: each ∇X element sums C_out/g · Πk products.
-        length = weight.shape[1] * math.prod(kernel)
-    else:
-        # Each input position is covered by about Πk/Πstride output positions per output channel.
-        stride = node._saved_stride
-        overlap = math.prod(max(1.0, k / s) for k, s in zip(kernel, stride))
-        length = weight.shape[0] // node._saved_groups * overlap
-    return [GemmOperand(0, length, weight)]
+        return GemmOperand(weight.shape[1] * math.prod(kernel), weight)
+    # Each input position is covered by about Πk/Πstride output positions per output channel.
+    overlap = math.prod(max(1.0, k / s) for k, s in zip(kernel, node._saved_stride))
+    return GemmOperand(weight.shape[0] // node._saved_groups * overlap, weight)
 
 
-def _addmm_operands(node: Node, edges: tuple) -> list[GemmOperand]:
-    # addmm(bias, mat1, mat2): ∇mat1 = ∇Y · mat2ᵀ (sum over mat2's columns), ∇mat2 = mat1ᵀ · ∇Y.
-    return [
-        GemmOperand(1, node._saved_mat2.shape[1], node._saved_mat2),
-        GemmOperand(2, node._saved_mat1.shape[0], node._saved_mat1),
-    ]
-
-
-def _mm_operands(node: Node, edges: tuple) -> list[GemmOperand]:
-    return [
-        GemmOperand(0, node._saved_mat2.shape[-1], node._saved_mat2),
-        GemmOperand(1, node._saved_self.shape[-2], node._saved_self),
-    ]
-
-
-def _baddbmm_operands(node: Node, edges: tuple) -> list[GemmOperand]:
-    return [
-        GemmOperand(1, node._saved_batch2.shape[-1], node._saved_batch2),
-        GemmOperand(2, node._saved_batch1.shape[-2], node._saved_batch1),
-    ]
-
-
-GEMM_OPERANDS: dict[str, Callable[[Node, tuple], list[GemmOperand]]] = {
-    "ConvolutionBackward0": _conv_operands,
-    "AddmmBackward0": _addmm_operands,
-    "MmBackward0": _mm_operands,
-    "BmmBackward0": _mm_operands,
-    "BaddbmmBackward0": _baddbmm_operands,
+# Per GEMM node type, per input edge: the other operand and the accumulation length of that
+# input's gradient, e.g. addmm(bias, mat1, mat2): ∇mat1 = ∇Y · mat2ᵀ sums over mat2's columns.
+GEMM_OPERANDS: dict[str, dict[int, Callable[[Node], GemmOperand]]] = {
+    "ConvolutionBackward0": {0: _conv_input},
+    "AddmmBackward0": {
+        1: lambda n: GemmOperand(n._saved_mat2.shape[1], n._saved_mat2),
+        2: lambda n: GemmOperand(n._saved_mat1.shape[0], n._saved_mat1),
+    },
+    "MmBackward0": {
+        0: lambda n: GemmOperand(n._saved_mat2.shape[-1], n._saved_mat2),
+        1: lambda n: GemmOperand(n._saved_self.shape[-2], n._saved_self),
+    },
+    "BmmBackward0": {
+        0: lambda n: GemmOperand(n._saved_mat2.shape[-1], n._saved_mat2),
+        1: lambda n: GemmOperand(n._saved_self.shape[-2], n._saved_self),
+    },
+    "BaddbmmBackward0": {
+        1: lambda n: GemmOperand(n._saved_batch2.shape[-1], n._saved_batch2),
+        2: lambda n: GemmOperand(n._saved_batch1.shape[-2], n._saved_batch1),
+    },
 }
 
 # Nodes whose insides autograd cannot see: gradients pass through them unscaled.
@@ -144,7 +132,7 @@ class GraphAnalysis:
     """What each node of one graph structure is, for Algorithm 1.
 
     Attributes:
-        gemms: Node index -> edges of the GEMM's inputs that carry activation gradients.
+        gemms: Node index -> the GEMM's input edges that carry activation gradients (not weights).
         casts: Indices of nodes whose fp32 incoming gradient leaves them in a lower precision.
         branch_slots: Slots fed by more than one edge (leaves excluded).
         merge_nodes: Nodes with more than one input slot (split, unbind, multi-output Functions).
@@ -164,24 +152,18 @@ class GraphAnalysis:
     opaque: set[str] = field(default_factory=set)
 
 
-def _leads_to_leaf(graph: AutogradGraph, target: int, hops: int = 4) -> bool:
-    """Whether an edge reaches a leaf through single-edge nodes only (casts, transposes, views)."""
-    for _ in range(hops):
-        if graph.names[target] == LEAF:
-            return True
-        nxt = [e for e in graph.edges[target] if e is not None]
-        if len(nxt) != 1:
-            return False
-        target = nxt[0][0]
-    return graph.names[target] == LEAF
+# How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes.
+_WEIGHT_PATH = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"}
 
 
 def _leaf_reached(graph: AutogradGraph, target: int, hops: int = 4) -> int | None:
+    """The leaf an edge reaches through weight-path nodes only, if any: the edge carries a weight gradient."""
     for _ in range(hops):
         if graph.names[target] == LEAF:
             return target
         nxt = [e for e in graph.edges[target] if e is not None]
-        if len(nxt) != 1:
+        if graph.names[target] not in _WEIGHT_PATH or len(nxt) != 1:
             return None
         target = nxt[0][0]
     return target if graph.names[target] == LEAF else None
@@ -233,7 +215,9 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
         elif name in GEMM_OPERANDS:
             edges = graph.edges[i]
             data_edges = tuple(
-                k for k, e in enumerate(edges) if e is not None and not _leads_to_leaf(graph, e[0])
+                k
+                for k, e in enumerate(edges)
+                if e is not None and k in GEMM_OPERANDS[name] and _leaf_reached(graph, e[0]) is None
             )
             analysis.gemms[i] = data_edges
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))

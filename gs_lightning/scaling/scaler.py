@@ -516,9 +516,8 @@ class _UpdateRun:
         return min(caps) if caps else None
 
     def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
-        node = self.graph.nodes[i]
-        data_edges = self.analysis.gemms[i]
-        operands = [op for op in GEMM_OPERANDS[self.graph.names[i]](node, self.graph.edges[i]) if op.edge in data_edges]
+        node, operand_of = self.graph.nodes[i], GEMM_OPERANDS[self.graph.names[i]]
+        operands = [operand_of[k](node) for k in self.analysis.gemms[i]]
         if not operands:  # e.g. the first layer: no activation gradient leaves it
             return 0
         grad_rms, grad_max, *operand_stats = _stats(

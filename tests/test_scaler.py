@@ -1,0 +1,284 @@
+"""The core GradientScaler: exactness, the underflow model, fp16 fidelity and overflow handling."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from nets import DenseBlock, PlainCNN, SegNetLike, SplitNet, SSDLike, TiedLM, TwoOutputNet
+from torch import nn
+
+from gs_lightning import GradientScaler
+from gs_lightning.analysis.fidelity import FidelityProbe
+from gs_lightning.scaling import underflow
+
+_G = torch.Generator().manual_seed(0)
+_X = torch.randn(2, 3, 32, 32, generator=_G)
+
+CASES = {
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), lambda m: F.cross_entropy(m(_X), torch.tensor([1, 2]))),
+    "ssd_like": (SSDLike, lambda m: m(_X[:, :, :16, :16])),
+    "segnet_like": (
+        SegNetLike,
+        lambda m: F.cross_entropy(m(_X[:, :, :12, :20]), torch.randint(0, 3, (2, 12, 20), generator=torch.Generator().manual_seed(1))),
+    ),
+    "densenet_like": (DenseBlock, lambda m: F.cross_entropy(m(_X[:, :, :8, :8]), torch.tensor([1, 2]))),
+    "weight_tied": (TiedLM, lambda m: F.cross_entropy(m(torch.tensor([[1, 2, 3], [4, 5, 6]])).flatten(0, 1), torch.arange(1, 7))),
+    "split_chunk_unbind": (SplitNet, lambda m: F.cross_entropy(m(_X[:, 0, 0, :6]), torch.tensor([1, 2]))),
+    "two_output_function": (TwoOutputNet, lambda m: F.cross_entropy(m(_X[:, 0, 0, :5]), torch.tensor([1, 0]))),
+}
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_gradients_are_bit_exact(case: str) -> None:
+    """Power-of-two scaling and unscaling is exact in fp32: gradients equal plain backward's."""
+    build, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    model.zero_grad(set_to_none=True)
+    (loss_fn(model) * 1e-6).backward()
+    reference = _grads(model)
+    scaler = GradientScaler(model, update_interval=100)
+    for iteration in range(2):  # an update iteration, then one replaying its scales
+        model.zero_grad(set_to_none=True)
+        scaler.backward(loss_fn(model) * 1e-6)
+        grads = _grads(model)
+        assert grads.keys() == reference.keys()
+        mismatched = [n for n in reference if not torch.equal(grads[n], reference[n])]
+        assert not mismatched, f"iteration {iteration}: {mismatched}"
+    scales = scaler.scales()
+    assert scales and any(s != 1.0 for s in scales.values()), scales
+
+
+def test_layer_names_are_module_names() -> None:
+    model = torchvision.models.resnet18(num_classes=10)
+    scaler = GradientScaler(model)
+    scaler.backward(F.cross_entropy(model(_X), torch.tensor([1, 2])))
+    assert {"fc", "layer1.0.conv1", "layer4.1.conv2"} <= set(scaler.scales())
+    assert set(scaler.underflow_rates()) == set(scaler.scales())
+
+
+# --- the statistical model against Monte-Carlo samples ----------------------------------------
+
+LAMBDA = 2.0**-14
+TARGET = 1e-3
+
+
+def _rate(values: torch.Tensor, threshold: float) -> float:
+    return float((values.abs() <= threshold).double().mean())
+
+
+@pytest.mark.parametrize("sigma", [1e-7, 3e-6, 2e-4])
+def test_theorem1_scale_meets_target_on_normal_samples(sigma: float) -> None:
+    samples = torch.randn(2_000_000, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * sigma
+    k = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET), math.inf)
+    assert k > 0
+    assert _rate(samples * 2.0**k, LAMBDA) <= TARGET
+    assert _rate(samples * 2.0 ** (k - 1), LAMBDA) > TARGET
+    assert underflow.gemm_underflow_rate(k, sigma, LAMBDA) <= TARGET < underflow.gemm_underflow_rate(k - 1, sigma, LAMBDA)
+
+
+@pytest.mark.parametrize(("mu", "sigma"), [(-20.0, 1.5), (-14.0, 3.0)])
+def test_theorem2_scale_meets_target_on_lognormal_samples(mu: float, sigma: float) -> None:
+    samples = torch.exp(mu + sigma * torch.randn(2_000_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    k = underflow.choose_log2_scale(underflow.cast_min_log2_scale(mu, sigma, LAMBDA, TARGET), math.inf)
+    assert _rate(samples * 2.0**k, LAMBDA) <= TARGET
+    assert _rate(samples * 2.0 ** (k - 1), LAMBDA) > TARGET
+
+
+def test_scale_rounding_and_clamping() -> None:
+    assert underflow.choose_log2_scale(3.2, math.inf) == 4  # underflow bound rounded up
+    assert underflow.choose_log2_scale(-5.0, math.inf) == 0  # never below 1 without overflow
+    assert underflow.choose_log2_scale(10.0, 6.5) == 6  # overflow bound rounded down
+    assert underflow.choose_log2_scale(10.0, 6.0) == 5  # strict: α < 2^6
+    assert underflow.choose_log2_scale(0.0, -2.3) == -3  # overflow forces a scale below 1
+    assert underflow.branch_log2_scale([5, 9, 2], 2.0**-4, 2.0**16) == 9
+    assert underflow.branch_log2_scale([5, 9, 2], 2.0**10, 2.0**16) == 5
+    assert underflow.branch_log2_scale([5, 9], 2.0**20, 2.0**16) == -5  # halve the smallest until it fits
+
+
+def _capture_gemm_output(scale_g: float, weight_std: float, lambda_min: str) -> tuple[torch.Tensor, GradientScaler]:
+    """Gradient leaving a Linear layer in fp16, as it is stored, scaled by the chosen scales."""
+    torch.manual_seed(4)
+    layer = nn.Linear(256, 64, bias=False)
+    nn.init.normal_(layer.weight, std=weight_std)
+    x0 = torch.randn(1024, 256, requires_grad=True)
+    upstream = torch.randn(1024, 64) * scale_g
+    captured: list[torch.Tensor] = []
+    scaler = GradientScaler(layer, lambda_min=lambda_min)
+    with torch.autocast("cpu", dtype=torch.float16):
+        x = (x0 * 1.0).half()  # a non-leaf, so the layer's input gradient is an activation gradient
+        x.register_hook(captured.append)
+        loss = (layer(x).float() * upstream).sum()
+    scaler.backward(loss)
+    return captured[0], scaler
+
+
+def test_gemm_scale_meets_target_in_fp16() -> None:
+    """End to end: the fp16 gradient a Linear layer sends on has ~γ' of its elements below λmin."""
+    grad, scaler = _capture_gemm_output(1e-9, 0.05, "normal")
+    threshold = scaler.lambda_min_value  # fp16 values below the smallest normal are subnormal
+    assert grad.dtype == torch.float16 and scaler.scales()["Linear"] > 1.0
+    below = lambda g: float((g.abs() < threshold).double().mean())  # noqa: E731
+    assert below(grad.float()) <= TARGET
+    assert below(grad.float() / 2) > TARGET  # half the scale misses the target
+
+
+# --- fp16 fidelity -----------------------------------------------------------------------------
+
+
+def test_fp16_fidelity_against_fixed_loss_scales() -> None:
+    torch.manual_seed(0)
+    model = PlainCNN(width=8, depth=6)
+    x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))
+    probe = FidelityProbe(model, lambda m: F.cross_entropy(m(x), y) * 1e-6)
+    none = probe.none()
+    _, best = probe.best_fixed()
+    _, gs = probe.gradient_scaling()
+    assert none.error > 0.3 and none.underflow > 0.9  # without scaling the gradients vanish
+    assert gs.error < none.error / 100
+    assert gs.error <= 1.5 * best.error, (gs, best)
+    assert gs.underflow < 0.01
+
+
+# --- overflow ----------------------------------------------------------------------------------
+
+
+def test_non_finite_gradient_skips_step_and_recovers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradientScaler(model, update_interval=100)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+    def iteration(poison: bool) -> bool:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+            if poison:
+                out = out * torch.tensor(float("inf"))
+            loss = F.cross_entropy(out.float(), y)
+        scaler.backward(loss)
+        return scaler.step(optimizer)
+
+    assert iteration(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert not iteration(True)
+    assert scaler.found_inf and scaler.skipped_steps == 1
+    assert all(torch.equal(b, p) and torch.isfinite(p).all() for b, p in zip(before, model.parameters()))
+    updates_before = scaler.iteration
+    assert iteration(False)  # recomputes scales on the next iteration and steps again
+    assert not scaler.found_inf and scaler.iteration == updates_before + 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_overflowing_weight_gradient_backs_off_until_finite() -> None:
+    """Wide log-normal loss gradients and large activations: the weight gradient overflows fp16 at
+    the scales the model picks. Steps are skipped, weights stay intact, and the cap on the
+    accumulated scale halves per skip until steps go through."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = GradientScaler(model)
+    x = torch.randn(4096, 64) * 30
+    upstream = torch.exp(-10 + 3 * torch.randn(4096, 64))
+    stepped = []
+    for _ in range(10):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x).float() * upstream).sum()
+        scaler.backward(loss)
+        stepped.append(scaler.step(optimizer))
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        if not stepped[-1]:
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not stepped[0] and stepped[-1]
+    assert scaler.skipped_steps == stepped.index(True)
+    assert all(stepped[stepped.index(True) :])
+
+
+# --- robustness --------------------------------------------------------------------------------
+
+
+def test_hooks_removed_retain_graph_second_backward_and_frozen_params() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)
+    x = torch.randn(3, 4)
+    loss = model(x).pow(2).sum() * 1e-6
+    scaler = GradientScaler(model)
+    scaler.backward(loss, retain_graph=True)
+    first = _grads(model)
+    assert "0.weight" not in first
+    scaler.backward(loss, retain_graph=True)  # a second scaled backward on the same graph accumulates
+    assert all(torch.equal(model.get_parameter(n).grad, 2 * g) for n, g in first.items())
+    model.zero_grad()
+    loss.backward()  # plain backward afterwards: no hook of ours is left on the graph
+    assert all(torch.equal(model.get_parameter(n).grad, g) for n, g in first.items())
+
+
+def test_opaque_compiled_node_warns_once_and_passes_through() -> None:
+    class CompiledFunction(torch.autograd.Function):  # named as torch.compile's backward node
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.T, x.T @ g
+
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4)
+    scaler = GradientScaler()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            w.grad = None
+            scaler.backward(CompiledFunction.apply(x, w).sum())
+    messages = [str(c.message) for c in caught if "CompiledFunction" in str(c.message)]
+    assert len(messages) == 1
+    assert torch.allclose(w.grad, x.T @ torch.ones(2, 4))
+
+
+def test_state_dict_round_trip_reuses_scales() -> None:
+    torch.manual_seed(0)
+    model = SplitNet()
+    x = torch.randn(2, 6)
+    scaler = GradientScaler(model, update_interval=10)
+    scaler.backward(F.cross_entropy(model(x), torch.tensor([1, 2])) * 1e-6)
+    state = scaler.state_dict()
+    restored = GradientScaler(model, update_interval=10)
+    restored.load_state_dict(state)
+    assert restored.scales() == scaler.scales() and restored.iteration == 1
+    model.zero_grad()
+    scaler.backward(F.cross_entropy(model(x), torch.tensor([1, 2])) * 1e-6)
+    expected = _grads(model)
+    model.zero_grad()
+    restored.backward(F.cross_entropy(model(x), torch.tensor([1, 2])) * 1e-6)
+    assert all(torch.equal(expected[n], g) for n, g in _grads(model).items())
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("underflow_rate", 0.0), ("underflow_rate", 0.7), ("update_interval", 0), ("lambda_min", "tiny"), ("max_total_scale", 0.5)],
+)
+def test_bad_options_name_what_is_wrong(option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=option):
+        GradientScaler(**{option: value})
+
+
+def test_unsupported_dtype_lists_the_formats() -> None:
+    with pytest.raises(ValueError, match="float16.*bfloat16.*float8_e5m2.*float8_e4m3fn"):
+        GradientScaler(dtype=torch.int8)

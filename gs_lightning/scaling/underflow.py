@@ -34,9 +34,10 @@ def gemm_underflow_rate(log2_scale: float, sigma: float, lambda_min: float) -> f
 def gemm_min_log2_scale(sigma: float, lambda_min: float, target: float) -> float:
     """Theorem 1 solved for α: the real log2 of the smallest scale with γ(α) ≤ target.
 
-    Returns ``-inf`` when the output is all zeros (no scale can help, none is needed).
+    Returns ``-inf`` when the output is all zeros (no scale can help, none is needed) or already
+    non-finite (the step will be skipped whatever the scale).
     """
-    if sigma <= 0.0:
+    if not 0.0 < sigma < math.inf:
         return -math.inf
     return math.log2(lambda_min / (_SQRT2 * sigma * erfinv(target)))
 

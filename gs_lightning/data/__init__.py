@@ -17,6 +17,15 @@ _EXPORTS = {
     "ImageNetDataModule": "gs_lightning.data.imagenet",
     "write_synthetic_imagefolder": "gs_lightning.data.imagenet",
     "DatasetError": "gs_lightning.data.errors",
+    "VGG_MEAN": "gs_lightning.data.voc",
+    "VGG_STD": "gs_lightning.data.voc",
+    "VOC_CLASSES": "gs_lightning.data.voc",
+    "VOCDataModule": "gs_lightning.data.voc",
+    "VOCDetection": "gs_lightning.data.voc",
+    "collate_detection": "gs_lightning.data.voc",
+    "ssd_eval_transforms": "gs_lightning.data.voc",
+    "ssd_train_transforms": "gs_lightning.data.voc",
+    "write_synthetic_voc": "gs_lightning.data.voc",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -26,18 +35,3 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-_EXPORTS.update(
-    {
-        "VGG_MEAN": "gs_lightning.data.voc",
-        "VGG_STD": "gs_lightning.data.voc",
-        "VOC_CLASSES": "gs_lightning.data.voc",
-        "VOCDataModule": "gs_lightning.data.voc",
-        "VOCDetection": "gs_lightning.data.voc",
-        "collate_detection": "gs_lightning.data.voc",
-        "ssd_eval_transforms": "gs_lightning.data.voc",
-        "ssd_train_transforms": "gs_lightning.data.voc",
-        "write_synthetic_voc": "gs_lightning.data.voc",
-    }
-)
-__all__ = sorted(_EXPORTS)

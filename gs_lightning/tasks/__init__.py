@@ -1,9 +1,7 @@
 """LightningModules: one per experiment family."""
 
 from gs_lightning.tasks.classification import ClassificationTask
+from gs_lightning.tasks.detection import DetectionTask
 from gs_lightning.tasks.segmentation import SegmentationTask
 
-__all__ = ["ClassificationTask", "SegmentationTask"]
-from gs_lightning.tasks.detection import DetectionTask  # noqa: E402
-
-__all__ += ["DetectionTask"]
+__all__ = ["ClassificationTask", "DetectionTask", "SegmentationTask"]

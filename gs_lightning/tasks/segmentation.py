@@ -8,6 +8,8 @@ class weights and void pixels ignored.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -30,14 +32,13 @@ class SegmentationTask(L.LightningModule):
         model: network mapping images to logits [N, num_classes, H, W].
         num_classes: number of classes (CamVid: 11).
         ignore_index: target value excluded from loss and metrics (CamVid void: 11).
-        class_weights: per-class loss weights [num_classes] (e.g. median frequency); None
-            weighs all classes equally. Kept as a buffer, so they follow the device and the
-            checkpoint.
+        class_weights: per-class loss weights [num_classes]; ``"median_frequency"`` takes them
+            from the datamodule's ``class_weights`` (median frequency balancing of its training
+            split) when fitting starts; None weighs all classes equally. Kept as a buffer, so
+            they follow the device and the checkpoint.
         lr: SGD learning rate, constant over training as in ChainerCV.
         momentum: SGD momentum.
         weight_decay: L2 weight decay, applied to every parameter as Chainer's ``WeightDecay`` hook.
-        max_steps: the training length in optimizer steps (ChainerCV: 16000 at batch 12), kept
-            in the hyperparameters for the recipe's Trainer; it does not change the constant lr.
     """
 
     class_weights: Tensor
@@ -47,16 +48,18 @@ class SegmentationTask(L.LightningModule):
         model: nn.Module,
         num_classes: int = 11,
         ignore_index: int = 11,
-        class_weights: Tensor | None = None,
+        class_weights: Tensor | Literal["median_frequency"] | None = None,
         lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
-        max_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "class_weights"])
         self.model = model
-        if class_weights is None:
+        self._weights_from_datamodule = isinstance(class_weights, str)
+        if self._weights_from_datamodule and class_weights != "median_frequency":
+            raise ValueError(f"class_weights must be a tensor, 'median_frequency' or None, got {class_weights!r}")
+        if class_weights is None or self._weights_from_datamodule:
             # All-ones weights give the unweighted loss and keep the checkpoint layout fixed.
             class_weights = torch.ones(num_classes)
         elif class_weights.shape != (num_classes,):
@@ -66,6 +69,11 @@ class SegmentationTask(L.LightningModule):
         self.register_buffer("class_weights", class_weights.detach().clone().float())
         self.val_metrics = SegmentationMetrics(num_classes, ignore_index)
         self.test_metrics = SegmentationMetrics(num_classes, ignore_index)
+
+    def setup(self, stage: str) -> None:
+        """Take median-frequency class weights from the datamodule when asked to."""
+        if self._weights_from_datamodule and stage == "fit":
+            self.class_weights.copy_(self.trainer.datamodule.class_weights)
 
     def forward(self, images: Tensor) -> Tensor:
         """Logits [N, num_classes, H, W] of a batch of images."""

@@ -1,0 +1,176 @@
+"""GradientScalingCallback (CSV and offline W&B loggers) and the framework-free plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gs_lightning import FP16Plugin, GradientScalingCallback, GradientScalingPlugin
+from gs_lightning.analysis import (
+    history_matrix,
+    layer_groups,
+    plot_scale_heatmap,
+    plot_scale_mean_std,
+    save_scale_history,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+_G = torch.Generator().manual_seed(0)
+DATA = TensorDataset(torch.randn(32, 8, generator=_G), torch.randint(0, 4, (32,), generator=_G))
+
+
+class Classifier(L.LightningModule):
+    """A Linear → ReLU → Linear → Linear classifier; the loss is inf at global step ``inf_step``."""
+
+    def __init__(self, inf_step: int | None = None) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+        self.inf_step = inf_step
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        return loss * float("inf") if self.global_step == self.inf_step else loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(
+    plugin, callback: GradientScalingCallback, max_steps: int, root: Path, model: L.LightningModule | None = None, **kwargs
+) -> L.Trainer:
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        plugins=[plugin],
+        callbacks=[callback, *kwargs.pop("callbacks", [])],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        default_root_dir=root,
+        **kwargs,
+    )
+    trainer.fit(model or Classifier(), DataLoader(DATA, batch_size=4), ckpt_path=ckpt_path)
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+    return trainer
+
+
+def test_csv_metrics_have_the_scales_at_every_nth_step_and_the_end(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=2)
+    logger = CSVLogger(tmp_path)
+    fit(plugin, callback, 5, tmp_path, model=Classifier(inf_step=2), logger=logger)
+
+    layers = plugin.scaler.layers()
+    assert {layer.name for layer in layers} >= {"model.2", "model.3", "model.3.cast"}
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("gs/skipped_steps")]
+    assert [int(row["step"]) for row in rows] == [2, 4, 5]
+    assert [float(row["gs/skipped_steps"]) for row in rows] == [0.0, 1.0, 1.0]
+    for layer in layers:
+        assert float(rows[-1][f"gs/scale/{layer.name}"]) == layer.log2_scale
+        assert float(rows[-1][f"gs/underflow/{layer.name}"]) == pytest.approx(layer.underflow_rate)
+    assert sorted(callback.history) == [2, 4, 5]
+
+    assert [p.name for p in callback.plot_paths] == ["scale_heatmap.png", "scale_mean_std.png"]
+    for path in callback.plot_paths:
+        assert path.parent == Path(logger.log_dir) and path.read_bytes().startswith(PNG)
+    assert callback.history_path == Path(logger.log_dir) / "scale_history.csv"
+    with open(callback.history_path) as file:
+        table = list(csv.reader(file))
+    assert table[0] == ["step", *callback.history[2]]
+    assert [row[0] for row in table[1:]] == ["2", "4", "5"]
+
+
+def test_history_continues_after_resume(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    fit(GradientScalingPlugin(), GradientScalingCallback(log_every_n_steps=2), 4, tmp_path, callbacks=[checkpoint], enable_checkpointing=True)
+    resumed = GradientScalingCallback(log_every_n_steps=2)
+    fit(GradientScalingPlugin(), resumed, 8, tmp_path / "resumed", ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    assert sorted(resumed.history) == [2, 4, 6, 8]
+
+
+def test_other_plugins_warn_once_and_log_nothing(tmp_path: Path) -> None:
+    callback = GradientScalingCallback(log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            fit(FP16Plugin(), callback, 2, tmp_path, logger=CSVLogger(tmp_path))
+    assert len([w for w in caught if "GradientScalingCallback" in str(w.message)]) == 1
+    assert callback.history == {} and callback.plot_paths == []
+    assert not list(tmp_path.rglob("*.png"))
+
+
+def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Path, monkeypatch) -> None:
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    callback = GradientScalingCallback(log_every_n_steps=2)
+    try:
+        fit(GradientScalingPlugin(), callback, 4, tmp_path, logger=WandbLogger(offline=True, save_dir=str(tmp_path), project="gs"))
+    finally:
+        wandb.finish()
+
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    images = sorted(p.name.rsplit("_", 2)[0] for p in (run / "files/media/images/gs/plots").glob("*.png"))
+    assert images == ["scale_heatmap", "scale_mean_std"]  # W&B names them <key>_<its step>_<hash>.png
+    # One line-series chart per layer group ("2", "3"); their tables are plain JSON in the run's files.
+    tables = sorted((run / "files/media/table/gs/scale_history").glob("*.table.json"))
+    assert [t.name.split("_")[0] for t in tables] == ["2", "3"]
+    logged = {}
+    for table in tables:
+        content = json.loads(table.read_text())
+        assert content["columns"] == ["step", "lineKey", "lineVal"]
+        logged.update({(step, layer): value for step, layer, value in content["data"]})
+    assert logged == {(step, layer): value for step, scales in callback.history.items() for layer, value in scales.items()}
+    # The logged metrics are in the run's transaction log (protobuf): their keys are stored verbatim.
+    (log,) = run.glob("run-*.wandb")
+    records = log.read_bytes()
+    for key in ["gs/skipped_steps", *(f"gs/{kind}/{layer}" for kind in ("scale", "underflow") for layer in callback.history[4])]:
+        assert key.encode() in records, key
+
+
+def test_plots_and_table_from_a_history(tmp_path: Path) -> None:
+    history = {10: {"fc.cast": 3.0, "fc": 1.0, "layer1.0": 2.0}, 20: {"fc.cast": 4.0, "fc": 1.0}, 30: {"fc.cast": 4.0, "fc": -2.0, "layer1.0": 3.0}}
+    steps, layers, matrix = history_matrix(history)
+    assert steps == [10, 20, 30] and layers == ["fc.cast", "fc", "layer1.0"]
+    assert math.isnan(matrix[2, 1]) and matrix[1, 2] == -2.0
+    assert plot_scale_heatmap(history, tmp_path / "a/heat.png").read_bytes().startswith(PNG)
+    assert plot_scale_mean_std(history, tmp_path / "a/mean.png").read_bytes().startswith(PNG)
+    with open(save_scale_history(history, tmp_path / "h.csv")) as file:
+        assert list(csv.reader(file)) == [["step", *layers], ["10", "3", "1", "2"], ["20", "4", "1", ""], ["30", "4", "-2", "3"]]
+    assert np.nanmean(matrix, axis=1).tolist() == pytest.approx([11 / 3, 0.0, 2.5])
+
+
+def test_layer_groups_skip_the_shared_prefix() -> None:
+    assert layer_groups(["model.fc.cast", "model.fc", "model.layer1.0.conv1", "model.conv1"]) == {
+        "fc": ["model.fc.cast", "model.fc"],
+        "layer1": ["model.layer1.0.conv1"],
+        "conv1": ["model.conv1"],
+    }
+    assert layer_groups(["net.2.cast", "net.2"]) == {"2": ["net.2.cast", "net.2"]}
+
+
+def test_log_every_n_steps_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        GradientScalingCallback(log_every_n_steps=0)

@@ -1,0 +1,111 @@
+"""GradientScalingPlugin under DDP on CPU: 2 processes, gloo.
+
+The ranks all-reduce true gradients (each rank unscales its own before accumulation, with scales of
+its own), so after a few steps both ranks hold the same weights, and those match a single process
+that sees the whole global batch. A step that overflows on one rank only is skipped on both, since
+the all-reduce carries the inf to every rank.
+
+Run as a script (``python tests/test_ddp.py STRATEGY OUT_DIR``) this file is also the training
+program of the ``strategy="ddp"`` test: Lightning launches rank 1 by running it again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gs_lightning import GradientScalingPlugin
+
+GLOBAL_BATCH, STEPS, INF_STEP = 8, 5, 2
+_G = torch.Generator().manual_seed(0)
+X, Y = torch.randn(GLOBAL_BATCH * STEPS, 8, generator=_G), torch.randint(0, 4, (GLOBAL_BATCH * STEPS,), generator=_G)
+
+
+class Classifier(L.LightningModule):
+    """Overflows at ``INF_STEP`` on rank 0 only; saves its weights and scaler counters when training ends."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.out_dir = out_dir
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        return loss * float("inf") if self.global_step == INF_STEP and self.global_rank == 0 else loss
+
+    def train_dataloader(self) -> DataLoader:
+        # Rank r takes samples r, r + world, ...: each global batch is the single process's batch, in order
+        # (Lightning's own DistributedSampler would shuffle).
+        world, rank = self.trainer.world_size, self.global_rank
+        return DataLoader(TensorDataset(X[rank::world], Y[rank::world]), batch_size=GLOBAL_BATCH // world)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def on_train_end(self) -> None:
+        scaler = self.trainer.precision_plugin.scaler
+        result = {
+            "params": [p.detach().clone() for p in self.parameters()],
+            "skipped_steps": scaler.skipped_steps,
+            "iteration": scaler.iteration,
+        }
+        torch.save(result, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+def train(strategy: str, devices: int, out_dir: Path) -> None:
+    """Fit from the same initial weights on the same global batches of 8, sharded over the ranks."""
+    torch.manual_seed(0)
+    model = Classifier(str(out_dir))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        plugins=[GradientScalingPlugin(update_interval=2)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model)
+
+
+def check_against_single_process(ddp_dir: Path, single_dir: Path) -> None:
+    rank0, rank1 = (torch.load(ddp_dir / f"rank{r}.pt") for r in (0, 1))
+    single = torch.load(single_dir / "rank0.pt")
+    for a, b, c in zip(rank0["params"], rank1["params"], single["params"]):
+        assert torch.equal(a, b)  # identical on both ranks
+        torch.testing.assert_close(a, c, rtol=1e-3, atol=2e-4)  # and the single-process trajectory
+    for result in (rank0, rank1, single):
+        assert result["skipped_steps"] == 1 and result["iteration"] == STEPS
+        assert all(torch.isfinite(p).all() for p in result["params"])
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    train("auto", 1, out)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
+def test_ranks_agree_with_each_other_and_a_single_process(strategy: str, single_process: Path, tmp_path: Path) -> None:
+    if strategy == "ddp_spawn":
+        train(strategy, 2, tmp_path)
+    else:  # Lightning's "ddp" launches rank 1 by rerunning the command line: that must be this script, not pytest
+        subprocess.run([sys.executable, __file__, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path)
+    check_against_single_process(tmp_path, single_process)
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], 2, Path(sys.argv[2]))

@@ -1,0 +1,319 @@
+"""The fp16 precision plugins under a real Lightning Trainer (CPU, tiny Linear models)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gs_lightning import (
+    DynamicLossScalingPlugin,
+    FP16MixedPrecision,
+    FP16Plugin,
+    GradientScalingPlugin,
+    LossScalingPlugin,
+    SkipAwareScheduler,
+)
+
+LR_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+
+PLUGINS = {
+    "gradient_scaling": lambda: GradientScalingPlugin(update_interval=3),
+    "dynamic_loss_scaling": lambda: DynamicLossScalingPlugin(init_scale=2.0**10, growth_interval=2),
+    "loss_scaling": lambda: LossScalingPlugin(scale=128),
+    "fp16": FP16Plugin,
+}
+
+_G = torch.Generator().manual_seed(0)
+DATA = TensorDataset(torch.randn(32, 8, generator=_G), torch.randint(0, 4, (32,), generator=_G))
+
+
+def loader(batch_size: int = 4) -> DataLoader:
+    return DataLoader(DATA, batch_size=batch_size)
+
+
+class Classifier(L.LightningModule):
+    """Two Linear layers, SGD with momentum and a per-step StepLR; the loss becomes inf at ``inf_steps``."""
+
+    def __init__(self, inf_steps: tuple[int, ...] = (), optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.inf_steps = inf_steps
+        self.optimizer = optimizer
+        self.output_dtypes: set[torch.dtype] = set()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        self.output_dtypes.add(out.dtype)
+        loss = F.cross_entropy(out, y)
+        return loss * float("inf") if self.global_step in self.inf_steps else loss
+
+    def configure_optimizers(self) -> dict:
+        if self.optimizer == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class WeightWatch(Callback):
+    """Asserts that the weights stay finite after every batch, and keeps them per step."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, list[torch.Tensor]] = {}
+        self.after: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.before[batch_idx] = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        params = [p.detach().clone() for p in pl_module.parameters()]
+        assert all(torch.isfinite(p).all() for p in params), f"non-finite weights after batch {batch_idx}"
+        self.after[batch_idx] = params
+
+
+def trainer(plugin, max_steps: int, callbacks=(), **kwargs) -> L.Trainer:
+    """A CPU Trainer that also checks, after every batch, that no NaN or inf reached the weights."""
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        plugins=[plugin],
+        callbacks=[*callbacks, WeightWatch()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_plugins_are_one_family_exported_from_the_root() -> None:
+    for make in PLUGINS.values():
+        plugin = make()
+        assert isinstance(plugin, FP16MixedPrecision)
+        assert plugin.precision == "16-mixed"
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_fit_runs_fp16_autocast_and_trains(name: str) -> None:
+    torch.manual_seed(0)
+    model, watch = Classifier(), WeightWatch()
+    initial = [p.detach().clone() for p in model.parameters()]
+    trainer(PLUGINS[name](), max_steps=4, callbacks=[watch]).fit(model, loader())
+    assert model.output_dtypes == {torch.float16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    assert not any(torch.equal(a, b) for a, b in zip(initial, model.parameters()))
+    assert sorted(watch.after) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_skipped_step_leaves_weights_and_schedulers_alone(name: str) -> None:
+    """Steps 0 and 3 overflow: weights untouched, the scheduler does not advance, torch does not warn."""
+    torch.manual_seed(0)
+    plugin, model, watch = PLUGINS[name](), Classifier(inf_steps=(0, 3)), WeightWatch()
+    fit = trainer(plugin, max_steps=6, callbacks=[watch])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(model, loader())
+    assert not [w for w in caught if LR_WARNING in str(w.message)]
+    for step in (0, 3):
+        assert all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step])), f"step {step} changed weights"
+    for step in (1, 2, 4, 5):
+        assert not all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step])), f"step {step} did not step"
+    scheduler = fit.lr_scheduler_configs[0].scheduler
+    assert isinstance(scheduler, SkipAwareScheduler)
+    assert scheduler.last_epoch == 4  # 6 batches, 2 skipped
+    assert scheduler.get_last_lr() == pytest.approx([0.1 * 0.9**4])
+    if isinstance(plugin, GradientScalingPlugin):
+        assert plugin.scaler.skipped_steps == 2
+
+
+def test_lightning_mixed_precision_has_the_scheduler_flaw() -> None:
+    """Control: the same run with Lightning's MixedPrecision advances the schedule and warns."""
+    torch.manual_seed(0)
+    fit = trainer(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10)), max_steps=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(Classifier(inf_steps=(0, 3)), loader())
+    assert [w for w in caught if LR_WARNING in str(w.message)]
+    assert fit.lr_scheduler_configs[0].scheduler.last_epoch == 6
+
+
+@pytest.mark.parametrize("name", ["gradient_scaling", "dynamic_loss_scaling"])
+def test_resume_matches_uninterrupted_run(name: str, tmp_path) -> None:
+    """4 steps, checkpoint, 4 more: same weights, optimizer, scheduler and scaler state as 8 straight steps.
+
+    With update_interval=3 the resumed run crosses an update (iteration 6); step 5 overflows, so the
+    resumed run also has to restore the skipped-step count and recompute after it.
+    """
+    half = DataLoader(TensorDataset(*DATA[:16]), batch_size=4)  # 4 batches: the checkpoint ends epoch 0
+    L.seed_everything(0)
+    straight, plugin = Classifier(inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
+    trainer(plugin, max_steps=8, callbacks=[checkpoint], enable_checkpointing=True).fit(straight, half)
+    saved = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)
+    assert saved[type(plugin).__name__].keys() == plugin.state_dict().keys()  # the scaler's state is saved
+
+    L.seed_everything(1)  # a different initialisation: everything must come from the checkpoint
+    resumed_model, resumed_plugin = Classifier(inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
+    resumed = trainer(resumed_plugin, max_steps=8, enable_checkpointing=True, default_root_dir=tmp_path / "resumed")
+    resumed.fit(resumed_model, half, ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+
+    for (key, a), b in zip(straight.state_dict().items(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b), key
+    assert _state(resumed_plugin) == _state(plugin)
+    assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == 7  # 8 steps, one skipped
+
+
+def _state(plugin: FP16MixedPrecision) -> dict:
+    state = plugin.state_dict()
+    return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization with two optimizers, one per layer, each with its own loss and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.encoder = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        opt_encoder, opt_head = self.optimizers()
+        loss = F.cross_entropy(self.head(F.relu(self.encoder(x))), y)
+        opt_encoder.zero_grad()
+        self.manual_backward(loss * float("inf") if batch_idx == 1 else loss)
+        opt_encoder.step()
+        loss = F.cross_entropy(self.head(F.relu(self.encoder(x)).detach()), y)
+        opt_head.zero_grad()
+        self.manual_backward(loss)
+        opt_head.step()
+        for sch in self.lr_schedulers():
+            sch.step()
+
+    def configure_optimizers(self):
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (self.encoder, self.head)]
+        return optimizers, [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in optimizers]
+
+
+def test_manual_optimization_with_two_optimizers() -> None:
+    """Batch 1's first backward overflows: only the encoder's step (and its scheduler) is skipped."""
+    torch.manual_seed(0)
+    model, watch, plugin = TwoOptimizers(), WeightWatch(), GradientScalingPlugin(update_interval=2)
+    fit = trainer(plugin, max_steps=8, callbacks=[watch])  # global_step counts both optimizers' steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(model, loader())
+    assert not [w for w in caught if LR_WARNING in str(w.message)]
+    assert plugin.scaler.iteration == 8 and plugin.scaler.skipped_steps == 1
+    encoder_weight, head_weight = 0, 2
+    assert torch.equal(watch.before[1][encoder_weight], watch.after[1][encoder_weight])
+    assert not torch.equal(watch.before[1][head_weight], watch.after[1][head_weight])
+    encoder_sch, head_sch = (config.scheduler for config in fit.lr_scheduler_configs)
+    assert (encoder_sch.last_epoch, head_sch.last_epoch) == (3, 4)
+
+
+class GradientProbe(Callback):
+    """Keeps the gradients ``on_before_optimizer_step`` sees, and those the optimizer sees after clipping."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[torch.Tensor]] = []
+        self.stepped: list[list[torch.Tensor]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = list(pl_module.parameters())
+        trainer.optimizers[0].register_step_pre_hook(
+            lambda *_: self.stepped.append([p.grad.clone() for p in params])
+        )
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        self.seen.append([p.grad.clone() for p in pl_module.parameters()])
+
+
+def test_accumulated_micro_batches_are_scaled_and_unscaled_on_their_own() -> None:
+    """accumulate_grad_batches=2: one scaler backward per micro-batch, and the accumulated gradient is
+    plain fp16 autocast's (power-of-two scaling is exact away from underflow and overflow)."""
+    torch.manual_seed(0)
+    model, probe, plugin = Classifier(), GradientProbe(), GradientScalingPlugin(update_interval=3)
+    reference = copy.deepcopy(model)
+    trainer(plugin, max_steps=1, callbacks=[probe], accumulate_grad_batches=2).fit(model, loader())
+    assert plugin.scaler.iteration == 2
+    assert any(scale != 1.0 for scale in plugin.scaler.scales().values())  # scaling did happen
+    for x, y in list(loader())[:2]:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(reference.net(x), y) / 2  # Lightning divides by accumulate_grad_batches
+        loss.backward()
+    (seen,) = probe.seen
+    for grad, param in zip(seen, reference.parameters()):
+        assert torch.equal(grad, param.grad)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("name", ["gradient_scaling", "dynamic_loss_scaling", "loss_scaling"])
+def test_clipping_sees_true_gradients(name: str, algorithm: str) -> None:
+    """Clipping at half the true gradient's norm (or largest value) leaves exactly half: it saw true values."""
+    torch.manual_seed(0)
+    model = Classifier()
+    reference = copy.deepcopy(model)
+    x, y = next(iter(loader()))
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.cross_entropy(reference.net(x), y).backward()
+    grads = [p.grad for p in reference.parameters()]
+    measure = _norm if algorithm == "norm" else _largest
+    clip = measure(grads) / 2
+    probe = GradientProbe()
+    fit = trainer(PLUGINS[name](), max_steps=1, callbacks=[probe], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    fit.fit(model, loader())
+    assert measure(probe.seen[0]) == pytest.approx(2 * clip, rel=1e-3)
+    assert measure(probe.stepped[0]) == pytest.approx(clip, rel=1e-3)
+
+
+def _norm(grads: list[torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+def _largest(grads: list[torch.Tensor]) -> float:
+    return max(g.abs().max().item() for g in grads)
+
+
+def test_skip_aware_scheduler_forwards_everything_else() -> None:
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    inner = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scheduler = SkipAwareScheduler(inner)
+    scheduler.step()  # the optimizer has not stepped: withheld
+    assert scheduler.last_epoch == 0 and scheduler.get_last_lr() == [1.0]
+    opt.step()
+    scheduler.step()
+    scheduler.step()  # one optimizer step allows one scheduler step
+    assert inner.last_epoch == 1 and scheduler.get_last_lr() == [0.5]
+    scheduler.gamma = 0.25  # attribute writes reach the scheduler
+    assert inner.gamma == 0.25
+    assert scheduler.state_dict() == inner.state_dict()
+    assert copy.deepcopy(scheduler).last_epoch == 1
+
+
+@pytest.mark.parametrize(
+    "make, option",
+    [
+        (lambda: GradientScalingPlugin(update_interval=0), "update_interval"),
+        (lambda: GradientScalingPlugin(underflow_rate=0.7), "underflow_rate"),
+        (lambda: LossScalingPlugin(scale=0), "scale"),
+    ],
+)
+def test_bad_options_fail_when_the_plugin_is_made(make, option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        make()

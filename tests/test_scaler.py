@@ -207,6 +207,22 @@ def test_overflowing_weight_gradient_backs_off_until_finite() -> None:
     assert all(stepped[stepped.index(True) :])
 
 
+def test_each_optimizer_is_judged_by_its_own_gradients() -> None:
+    """As GradScaler: an overflow in one optimizer's parameters skips only that optimizer."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 4), nn.Linear(4, 2)
+    opt_body, opt_head = torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)
+    scaler = GradientScaler()
+    x = torch.randn(3, 4)
+    h = body(x)
+    scaler.backward((head(h.detach()) * torch.tensor([float("inf"), 1.0])).sum() + h.sum())
+    head_before = [p.detach().clone() for p in head.parameters()]
+    assert scaler.found_inf
+    assert scaler.step(opt_body) and not scaler.step(opt_head)
+    assert all(torch.equal(b, p) for b, p in zip(head_before, head.parameters()))
+    assert scaler.skipped_steps == 1
+
+
 # --- robustness --------------------------------------------------------------------------------
 
 

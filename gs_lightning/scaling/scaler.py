@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from itertools import zip_longest
@@ -212,8 +213,9 @@ class GradientScaler:
         self._force_update = False
         self._backoff: int | None = None
         self._layers: dict[str, LayerScale] = {}
-        self._pending_inf: list[torch.Tensor] = []
+        self._touched: dict[int, torch.Tensor] = {}  # leaves whose .grad a backward wrote since the last step
         self._stepped = False
+        self._skipped_this_iteration = False
         self._warned: set[str] = set()
 
     # --- public API ------------------------------------------------------------------------
@@ -236,8 +238,8 @@ class GradientScaler:
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``."""
         if self._stepped:
-            self._pending_inf.clear()
-            self._stepped = False
+            self._touched.clear()
+            self._stepped = self._skipped_this_iteration = False
         if not self.enabled or loss.grad_fn is None:
             loss.backward(retain_graph=retain_graph)
             return
@@ -267,24 +269,27 @@ class GradientScaler:
         if update:
             self._finish_update(run, graph)
         self._iteration += 1
-        self._pending_inf.extend(_non_finite_flags(graph.leaf_variables()))
+        self._touched.update((id(v), v) for v in graph.leaf_variables())
 
     @property
     def found_inf(self) -> bool:
-        """Whether a backward since the last step produced a non-finite gradient (synchronises)."""
-        return any(bool(flag.item()) for flag in self._pending_inf)
+        """Whether a backward since the last step left a non-finite gradient (synchronises)."""
+        return _any_non_finite(self._touched.values())
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
-        """``optimizer.step()`` unless a gradient was non-finite; returns whether it stepped.
+        """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
 
-        A skipped step leaves the weights untouched and makes the next backward recompute the
-        scales, with the accumulated scale capped below the one that overflowed.
+        As ``GradScaler``, each optimizer is judged by its own parameters' gradients (one fused
+        check, the only synchronisation of a non-update iteration). A skipped step leaves the
+        weights untouched and makes the next backward recompute the scales, with the accumulated
+        scale capped below the one that overflowed.
         """
         if not self.enabled:
             optimizer.step(*args, **kwargs)
             return True
-        overflow = self.found_inf
-        if overflow and not self._stepped:
+        overflow = _any_non_finite(p for group in optimizer.param_groups for p in group["params"])
+        if overflow and not self._skipped_this_iteration:
+            self._skipped_this_iteration = True
             self._skipped_steps += 1
             self._back_off()
         self._stepped = True
@@ -381,19 +386,18 @@ def _log2_floor(value: float | None) -> int | None:
     return None if value is None else math.floor(math.log2(value))
 
 
-def _non_finite_flags(variables: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One flag tensor per (device, dtype) group: 1 if any gradient holds inf or NaN. No sync."""
+def _any_non_finite(variables: Iterable[torch.Tensor]) -> bool:
+    """Whether any ``.grad`` holds inf or NaN: one fused check per (device, dtype), one sync."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for variable in variables:
-        if variable.grad is not None:
+        if variable.grad is not None and variable.grad.is_floating_point():
             groups[(variable.grad.device, variable.grad.dtype)].append(variable.grad)
     flags = []
     for (device, _), grads in groups.items():
         flag = torch.zeros(1, device=device)
-        if grads[0].is_floating_point():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1, device=device))
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1, device=device))
         flags.append(flag)
-    return flags
+    return any(bool(flag.item()) for flag in flags)
 
 
 def _stats(*values: torch.Tensor) -> list[float]:

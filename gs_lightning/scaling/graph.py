@@ -118,6 +118,49 @@ GEMM_OPERANDS: dict[str, dict[int, Callable[[Node], GemmOperand]]] = {
     },
 }
 
+def _channel_norm_max(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    dims = [d for d in range(t.dim()) if d != channel_dim]
+    return torch.linalg.vector_norm(t, dim=dims, dtype=torch.float32).max()
+
+
+def _sum_max(grad: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    return grad.float().sum([d for d in range(grad.dim()) if d != channel_dim]).abs().max()
+
+
+def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
+    bounds = []
+    if 1 in weight_edges:  # ∇W[o, i, k] = Σ_{n,h,w} ∇Y[n,o,h,w]·X[n,i,h+k]: Cauchy–Schwarz over the sum
+        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(node._saved_input, 1))
+    if 2 in weight_edges:  # the bias gradient is computed exactly: it is a sum of ∇Y
+        bounds.append(_sum_max(grad, 1))
+    return bounds
+
+
+def _addmm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
+    bounds = []
+    if 2 in weight_edges:  # ∇W = Xᵀ·∇Y summed over the rows
+        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(node._saved_mat1, 1))
+    if 0 in weight_edges:
+        bounds.append(_sum_max(grad, 1))
+    return bounds
+
+
+def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
+    if 1 not in weight_edges:
+        return []
+    return [_channel_norm_max(grad, 1) * _channel_norm_max(node._saved_self, 1)]
+
+
+# Per GEMM node type: upper bounds on the largest weight (and bias) gradient it outputs from the
+# incoming ∇Y, for its inputs that are parameters. The paper bounds only ∇X; but a weight
+# gradient sums over batch × positions, so at scales that keep ∇X above λmin it is the first to
+# overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost.
+WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], list[torch.Tensor]]] = {
+    "ConvolutionBackward0": _conv_weight_grad_bounds,
+    "AddmmBackward0": _addmm_weight_grad_bounds,
+    "MmBackward0": _mm_weight_grad_bounds,
+}
+
 # Nodes whose insides autograd cannot see: gradients pass through them unscaled.
 OPAQUE_MARKERS = ("CompiledFunction",)
 
@@ -133,6 +176,7 @@ class GraphAnalysis:
 
     Attributes:
         gemms: Node index -> the GEMM's input edges that carry activation gradients (not weights).
+        weight_edges: Node index -> the GEMM's input edges that carry parameter gradients.
         casts: Indices of nodes whose fp32 incoming gradient leaves them in a lower precision.
         branch_slots: Slots fed by more than one edge (leaves excluded).
         merge_nodes: Nodes with more than one input slot (split, unbind, multi-output Functions).
@@ -143,6 +187,7 @@ class GraphAnalysis:
     """
 
     gemms: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    weight_edges: dict[int, tuple[int, ...]] = field(default_factory=dict)
     casts: set[int] = field(default_factory=set)
     branch_slots: set[Slot] = field(default_factory=set)
     merge_nodes: set[int] = field(default_factory=set)
@@ -220,6 +265,7 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
                 if e is not None and k in GEMM_OPERANDS[name] and _leaf_reached(graph, e[0]) is None
             )
             analysis.gemms[i] = data_edges
+            analysis.weight_edges[i] = tuple(k for k, e in enumerate(edges) if e is not None and _leaf_reached(graph, e[0]) is not None)
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
         elif any(marker in name for marker in OPAQUE_MARKERS):
             analysis.opaque.add(name)

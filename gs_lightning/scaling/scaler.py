@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gs_lightning.scaling.formats import float_format
-from gs_lightning.scaling.graph import GEMM_OPERANDS, LEAF, AutogradGraph, GraphAnalysis, Slot, analyze, walk
+from gs_lightning.scaling.graph import GEMM_OPERANDS, LEAF, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis, Slot, analyze, walk
 from gs_lightning.scaling.underflow import (
     branch_log2_scale,
     cast_min_log2_scale,
@@ -520,13 +520,16 @@ class _UpdateRun:
         return min(caps) if caps else None
 
     def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
-        node, operand_of = self.graph.nodes[i], GEMM_OPERANDS[self.graph.names[i]]
+        name = self.graph.names[i]
+        node, operand_of = self.graph.nodes[i], GEMM_OPERANDS[name]
         operands = [operand_of[k](node) for k in self.analysis.gemms[i]]
         if not operands:  # e.g. the first layer: no activation gradient leaves it
             return 0
-        grad_rms, grad_max, *operand_stats = _stats(
-            _rms(grad), _absmax(grad), *(f(op.operand) for op in operands for f in (_rms, _absmax))
+        weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else []
+        grad_rms, grad_max, *stats = _stats(
+            _rms(grad), _absmax(grad), *(f(op.operand) for op in operands for f in (_rms, _absmax)), *weight_bounds
         )
+        operand_stats, weight_stats = stats[: 2 * len(operands)], stats[2 * len(operands) :]
         sigmas = [
             gemm_sigma(self.scaler.relu_factor * op.accumulation_length, grad_rms, operand_stats[2 * k])
             for k, op in enumerate(operands)
@@ -538,6 +541,7 @@ class _UpdateRun:
                 overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * k + 1], self._lambda_max)
                 for k, op in enumerate(operands)
             ]
+            + [overflow_max_log2_scale(bound, self._lambda_max) for bound in weight_stats]
         )
         beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
         rate = max(gemm_underflow_rate(beta, s, self._lambda_min) for s in sigmas)

@@ -212,6 +212,7 @@ class GradientScaler:
         self._analysis: GraphAnalysis | None = None
         self._force_update = False
         self._backoff: int | None = None
+        self._last_skip = 0  # iteration of the last skipped step
         self._layers: dict[str, LayerScale] = {}
         self._touched: dict[int, torch.Tensor] = {}  # leaves whose .grad a backward wrote since the last step
         self._stepped = False
@@ -317,6 +318,7 @@ class GradientScaler:
             "skipped_steps": self._skipped_steps,
             "force_update": self._force_update,
             "backoff": self._backoff,
+            "last_skip": self._last_skip,
             "plan": self._plan.state_dict() if self._plan is not None else None,
             "layers": [asdict(layer) for layer in self._layers.values()],
         }
@@ -327,6 +329,7 @@ class GradientScaler:
         self._skipped_steps = int(state["skipped_steps"])
         self._force_update = bool(state["force_update"])
         self._backoff = state["backoff"]
+        self._last_skip = int(state["last_skip"])
         self._plan = ScalePlan.from_state_dict(state["plan"]) if state["plan"] is not None else None
         self._analysis = None
         self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
@@ -343,19 +346,21 @@ class GradientScaler:
         return min(caps) if caps else None
 
     def _finish_update(self, run: _UpdateRun, graph: AutogradGraph) -> None:
-        scheduled = self._iteration % self.update_interval == 0
+        # Relax the cap only after a full interval without a skipped step (update_interval=1 included).
+        scheduled = self._iteration % self.update_interval == 0 and self._iteration - self._last_skip >= self.update_interval
         self._plan = ScalePlan(tuple(graph.names), tuple(graph.edges), run.alpha_out, run.slot_alpha)
         self._layers = {layer.name: layer for layer in run.layers}
         self._force_update = False
         if self._backoff is not None and scheduled:
             largest = max(run.alpha_out.values(), default=0)
-            # Relax the cap one step per scheduled update; drop it once it no longer binds.
+            # One bit per clean interval; drop the cap once it no longer binds.
             self._backoff = None if largest < self._backoff else self._backoff + 1
 
     def _back_off(self) -> None:
         largest = max(self._plan.alpha_out.values(), default=0) if self._plan is not None else 0
         cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
         self._backoff = max(cap, _MIN_BACKOFF)
+        self._last_skip = self._iteration
         self._force_update = True
 
     def _warn_once(self, key: str, message: str) -> None:

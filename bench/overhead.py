@@ -21,12 +21,15 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import torchvision
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.graph import walk
+from gs_lightning.scaling.scaler import _scale_grad_inputs, _scale_grad_outputs
 
 
 def _time(fn: Callable[[], None], device: torch.device) -> float:
@@ -37,6 +40,37 @@ def _time(fn: Callable[[], None], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) * 1e3
+
+
+def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50) -> dict[str, float]:
+    """Host-only work of an iteration between updates, in ms: the graph walk, the structure check,
+    and registering and removing the hooks (the hooks' own Python calls come on top)."""
+    def per_call(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats * 1e3
+
+    graph = walk(loss.grad_fn)
+    hooks = scaler._plan.hook_factors(graph)
+
+    def register_and_remove() -> None:
+        handles = []
+        for i, pre, post in hooks:
+            if pre is not None:
+                handles.append(graph.nodes[i].register_prehook(partial(_scale_grad_outputs, pre)))
+            if post is not None:
+                handles.append(graph.nodes[i].register_hook(partial(_scale_grad_inputs, post)))
+        for handle in handles:
+            handle.remove()
+
+    return {
+        "graph nodes": len(graph.nodes),
+        "hooked nodes": len(hooks),
+        "walk ms": per_call(lambda: walk(loss.grad_fn)),
+        "structure check ms": per_call(lambda: graph.same_structure(scaler._plan.names, scaler._plan.edges)),
+        "hook register+remove ms": per_call(register_and_remove),
+    }
 
 
 def main() -> None:
@@ -93,6 +127,7 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode("default")
         print("GS between updates: no host-device synchronisation (sync debug mode 'error' passed)")
 
+    breakdown = host_breakdown(gs_reuse, loss())
     plain = statistics.median(times["plain backward"])
     print(
         f"\n{args.arch}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {device.type}, "
@@ -105,6 +140,9 @@ def main() -> None:
         print(f"| {name} | {median:.1f} | {median - plain:+.2f} | {median / plain:.3f} |")
     ratio = statistics.median(times["GS between updates"]) / statistics.median(times["GradScaler"])
     print(f"\nGS between updates / GradScaler: {ratio:.3f}")
+    print("\nHost-side work of GS between updates (no kernels):")
+    for name, value in breakdown.items():
+        print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")
 
 
 if __name__ == "__main__":

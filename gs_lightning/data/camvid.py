@@ -7,12 +7,10 @@ single-channel label PNGs: 11 classes (0..10) and 11 = void.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
+from gs_lightning.data._common import exclusive, make_loader, open_image
 from gs_lightning.data.errors import DatasetError
 
 CAMVID_CLASSES: tuple[str, ...] = (
@@ -69,17 +68,6 @@ _CLASS_COLOURS = np.array(
 (_SKY, _BUILDING, _POLE, _ROAD, _PAVEMENT, _TREE, _SIGN, _FENCE, _CAR, _PEDESTRIAN, _BICYCLIST) = range(11)
 
 
-def _open_image(path: Path) -> Image.Image:
-    """Open and fully decode ``path``; any decoding failure becomes a DatasetError naming it."""
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return image
-    # PIL reports corrupt files with many exception types (OSError, SyntaxError, ValueError, ...).
-    except Exception as err:
-        raise DatasetError(f"cannot read image file {path}: {err}") from err
-
-
 def read_label(path: Path, num_classes: int = len(CAMVID_CLASSES)) -> np.ndarray:
     """Read a CamVid label PNG as an ``int64`` [H, W] array of class indices.
 
@@ -87,7 +75,7 @@ def read_label(path: Path, num_classes: int = len(CAMVID_CLASSES)) -> np.ndarray
         DatasetError: the file is unreadable, not single-channel, or holds values above
             ``num_classes`` (``num_classes`` itself is the void label).
     """
-    image = _open_image(path)
+    image = open_image(path)
     if image.mode not in ("L", "P"):
         raise DatasetError(
             f"label file {path} has PIL mode {image.mode!r}; expected a single-channel (L or P) PNG "
@@ -154,7 +142,7 @@ class CamVid(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         image_path, label_path = self.image_paths[index], self.label_paths[index]
-        rgb = np.asarray(_open_image(image_path).convert("RGB"))
+        rgb = np.asarray(open_image(image_path).convert("RGB"))
         label = read_label(label_path)
         if label.shape != rgb.shape[:2]:
             raise DatasetError(
@@ -257,15 +245,6 @@ def _synthetic_scene(rng: np.random.Generator, height: int, width: int) -> tuple
     return np.clip(rgb, 0, 255).astype(np.uint8), label
 
 
-@contextmanager
-def _exclusive(root: Path) -> Iterator[None]:
-    """Serialise synthetic-data writers, e.g. every DDP rank reading class weights before fit."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".synthetic.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
 def write_synthetic_camvid(
     root: str | os.PathLike[str],
     n_train: int,
@@ -301,7 +280,7 @@ def write_synthetic_camvid(
     counts = dict(zip(SPLITS, (n_train, n_val, n_test)))
     folders = {s: (root / s, root / f"{s}annot") for s in SPLITS}
     marker = root / _MARKER
-    with _exclusive(root):
+    with exclusive(root):
         if marker.is_file():
             if json.loads(marker.read_text()) == {**params, "complete": True}:
                 return root
@@ -410,14 +389,7 @@ class CamVidDataModule(LightningDataModule):
         return self._class_weights
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            self._dataset(split),
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return make_loader(self._dataset(split), self.batch_size, self.num_workers, shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

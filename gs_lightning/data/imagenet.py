@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
+from gs_lightning.data._common import exclusive, make_loader, open_image
 from gs_lightning.data.errors import DatasetError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -33,21 +31,7 @@ _MAX_LISTED = 5
 
 def load_rgb(path: str) -> Image.Image:
     """ImageFolder loader: the image at ``path`` as RGB; a corrupt file raises DatasetError naming it."""
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    # PIL reports corrupt files with many exception types (OSError, SyntaxError, ValueError, ...).
-    except Exception as err:
-        raise DatasetError(f"cannot read image file {path}: {err}") from err
-
-
-@contextmanager
-def _exclusive(root: Path) -> Iterator[None]:
-    """Serialise synthetic-data writers, e.g. every DDP rank asking for num_classes before fit."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".synthetic.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+    return open_image(path, "RGB")
 
 
 def _class_folders(split_dir: Path) -> list[str]:
@@ -115,7 +99,7 @@ def write_synthetic_imagefolder(
         "seed": seed,
     }
     marker = root / _MARKER
-    with _exclusive(root):
+    with exclusive(root):
         if marker.is_file():
             if json.loads(marker.read_text()) == {**params, "complete": True}:
                 return root
@@ -232,14 +216,7 @@ class ImageNetDataModule(LightningDataModule):
     def _loader(self, dataset: ImageFolder | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return make_loader(dataset, self.batch_size, self.num_workers, shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
+from gs_lightning.data._common import make_loader
 from gs_lightning.data.errors import DatasetError
 
 __all__ = [
@@ -431,15 +432,7 @@ class VOCDataModule(L.LightningDataModule):
     def _loader(self, dataset: VOCDetection | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("VOCDataModule.setup() has not built this dataset yet")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=collate_detection,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-        )
+        return make_loader(dataset, self.batch_size, self.num_workers, shuffle, collate_detection)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches."""

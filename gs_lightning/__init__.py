@@ -1,24 +1,28 @@
-"""gs_lightning: per-layer gradient scaling for fp16 mixed precision training, with Lightning."""
+"""gs_lightning: per-layer gradient scaling for fp16 mixed precision training, with Lightning.
 
-from gs_lightning.lightning import (
-    DynamicLossScalingPlugin,
-    FP16MixedPrecision,
-    FP16Plugin,
-    GradientScalingCallback,
-    GradientScalingPlugin,
-    LossScalingPlugin,
-    SkipAwareScheduler,
-)
+``GradientScaler`` (the core) imports only torch. The Lightning names are loaded on first use
+(PEP 562), so ``from gs_lightning import GradientScaler`` does not import Lightning.
+"""
+
+from importlib import import_module
+from typing import Any
+
 from gs_lightning.scaling import GradientScaler, LayerScale
 
-__all__ = [
+_LIGHTNING_NAMES = (
     "DynamicLossScalingPlugin",
     "FP16MixedPrecision",
     "FP16Plugin",
-    "GradientScaler",
     "GradientScalingCallback",
     "GradientScalingPlugin",
-    "LayerScale",
     "LossScalingPlugin",
     "SkipAwareScheduler",
-]
+)
+
+__all__ = sorted(["GradientScaler", "LayerScale", *_LIGHTNING_NAMES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_NAMES:
+        return getattr(import_module("gs_lightning.lightning"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -311,3 +313,8 @@ def test_bad_options_name_what_is_wrong(option: str, value: object) -> None:
 def test_unsupported_dtype_lists_the_formats() -> None:
     with pytest.raises(ValueError, match="float16.*bfloat16.*float8_e5m2.*float8_e4m3fn"):
         GradientScaler(dtype=torch.int8)
+
+
+def test_core_imports_no_lightning() -> None:
+    code = "import sys, gs_lightning.scaling, gs_lightning; assert 'lightning' not in sys.modules, 'lightning imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

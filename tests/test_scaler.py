@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from nets import DenseBlock, PlainCNN, SegNetLike, SplitNet, SSDLike, TiedLM, TwoOutputNet
+from nets import (
+    DenseBlock,
+    PlainCNN,
+    SegNetLike,
+    SplitNet,
+    SSDLike,
+    TiedLM,
+    TwoOutputNet,
+)
 from torch import nn
 
 from gs_lightning import GradientScaler

@@ -14,6 +14,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import gs_lightning
+import gs_lightning.lightning
 from gs_lightning import (
     DynamicLossScalingPlugin,
     FP16MixedPrecision,
@@ -317,3 +319,7 @@ def test_skip_aware_scheduler_forwards_everything_else() -> None:
 def test_bad_options_fail_when_the_plugin_is_made(make, option: str) -> None:
     with pytest.raises(ValueError, match=option):
         make()
+
+
+def test_package_root_lists_every_lightning_name() -> None:
+    assert set(gs_lightning._LIGHTNING_NAMES) == set(gs_lightning.lightning.__all__)

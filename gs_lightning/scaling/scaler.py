@@ -247,9 +247,10 @@ class GradientScaler:
         if loss.numel() != 1:
             raise RuntimeError(f"GradientScaler.backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         graph = walk(loss.grad_fn)
-        update = self._needs_update(graph)
+        known = self._plan is not None and graph.same_structure(self._plan.names, self._plan.edges)
+        update = not known or self._force_update or self._iteration % self.update_interval == 0
         if update:
-            if self._analysis is None or self._plan is None or not graph.same_structure(self._plan.names, self._plan.edges):
+            if self._analysis is None or not known:
                 self._analysis = analyze(graph, self._module_names)
                 self._warn_unhandled(self._analysis)
             run = _UpdateRun(self, graph, self._analysis)
@@ -335,11 +336,6 @@ class GradientScaler:
         self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
 
     # --- internals -------------------------------------------------------------------------
-
-    def _needs_update(self, graph: AutogradGraph) -> bool:
-        if self._force_update or self._plan is None or self._iteration % self.update_interval == 0:
-            return True
-        return not graph.same_structure(self._plan.names, self._plan.edges)
 
     def _total_cap(self) -> int | None:
         caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale)) if c is not None]

@@ -12,11 +12,9 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import Classifier, loader, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from gs_lightning import FP16Plugin, GradientScalingCallback, GradientScalingPlugin
 from gs_lightning.analysis import (
@@ -28,46 +26,16 @@ from gs_lightning.analysis import (
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"
-_G = torch.Generator().manual_seed(0)
-DATA = TensorDataset(torch.randn(32, 8, generator=_G), torch.randint(0, 4, (32,), generator=_G))
-
-
-class Classifier(L.LightningModule):
-    """A Linear → ReLU → Linear → Linear classifier; the loss is inf at global step ``inf_step``."""
-
-    def __init__(self, inf_step: int | None = None) -> None:
-        super().__init__()
-        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
-        self.inf_step = inf_step
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self.model(x), y)
-        return loss * float("inf") if self.global_step == self.inf_step else loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def fit(
     plugin, callback: GradientScalingCallback, max_steps: int, root: Path, model: L.LightningModule | None = None, **kwargs
 ) -> L.Trainer:
+    """Fit ``model`` (a Classifier with a Linear → Linear pair by default) on the shared data; weights stay finite."""
     ckpt_path = kwargs.pop("ckpt_path", None)
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        plugins=[plugin],
-        callbacks=[callback, *kwargs.pop("callbacks", [])],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-        default_root_dir=root,
-        **kwargs,
-    )
-    trainer.fit(model or Classifier(), DataLoader(DATA, batch_size=4), ckpt_path=ckpt_path)
+    kwargs.setdefault("log_every_n_steps", 1)
+    trainer = make_trainer(plugin, max_steps, callbacks=[callback, *kwargs.pop("callbacks", [])], default_root_dir=root, **kwargs)
+    trainer.fit(model or Classifier(hidden_layers=1), loader(), ckpt_path=ckpt_path)
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
     return trainer
 
@@ -76,10 +44,10 @@ def test_csv_metrics_have_the_scales_at_every_nth_step_and_the_end(tmp_path: Pat
     torch.manual_seed(0)
     plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=2)
     logger = CSVLogger(tmp_path)
-    fit(plugin, callback, 5, tmp_path, model=Classifier(inf_step=2), logger=logger)
+    fit(plugin, callback, 5, tmp_path, model=Classifier(inf_steps=(2,), hidden_layers=1), logger=logger)
 
     layers = plugin.scaler.layers()
-    assert {layer.name for layer in layers} >= {"model.2", "model.3", "model.3.cast"}
+    assert {layer.name for layer in layers} >= {"net.2", "net.3", "net.3.cast"}
     with open(Path(logger.log_dir) / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row.get("gs/skipped_steps")]
     assert [int(row["step"]) for row in rows] == [2, 4, 5]

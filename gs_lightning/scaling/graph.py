@@ -77,6 +77,20 @@ def walk(root: Node) -> AutogradGraph:
 # --- Operators -------------------------------------------------------------------------------
 
 
+def saved_tensor(node: Node, name: str) -> torch.Tensor | None:
+    """The tensor ``node`` saved as ``name`` (e.g. ``"weight"``), or ``None`` if reading it could harm.
+
+    A saved tensor with an unpack hook (non-reentrant activation checkpointing, CPU offloading) may
+    be unpacked only once: checkpointing recomputes it for the node and then forgets it. Reading it
+    here first would make the node's own backward fail, so such tensors are left alone.
+    """
+    raw = getattr(node, f"_raw_saved_{name}", None)
+    if raw is None or raw.unpack_hook is not None:
+        return None
+    return getattr(node, f"_saved_{name}")
+
+
+
 @dataclass(frozen=True)
 class GemmOperand:
     """One gradient a GEMM node sends on: ∇X = fG(∇Y, other operand), each element a sum of N products."""

@@ -93,14 +93,29 @@ def saved_tensor(node: Node, name: str) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class GemmOperand:
-    """One gradient a GEMM node sends on: ∇X = fG(∇Y, other operand), each element a sum of N products."""
+    """One gradient a GEMM node sends on: ∇X = fG(∇Y, other operand), each element a sum of N products.
+
+    ``operand`` is ``None`` when it cannot be read (saved under checkpointing, not a parameter).
+    """
 
     accumulation_length: float
-    operand: torch.Tensor
+    operand: torch.Tensor | None
 
 
-def _conv_input(node: Node) -> GemmOperand:
-    weight = node._saved_weight
+def _parameter_operand(graph: AutogradGraph, i: int, edge: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The parameter an edge of node ``i`` carries the gradient of, as the GEMM saw it (its dtype)."""
+    target = graph.edges[i][edge]
+    leaf = _leaf_reached(graph, target[0]) if target is not None else None
+    return graph.nodes[leaf].variable.detach().to(dtype) if leaf is not None else None
+
+
+def _conv_input(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand:
+    node = graph.nodes[i]
+    weight = saved_tensor(node, "weight")
+    if weight is None:
+        weight = _parameter_operand(graph, i, 1, grad.dtype)
+    if weight is None:
+        return GemmOperand(math.nan, None)
     kernel = weight.shape[2:]
     if node._saved_transposed:
         # Backward of a transposed conv is a conv: each ∇X element sums C_out/g · Πk products.
@@ -110,26 +125,31 @@ def _conv_input(node: Node) -> GemmOperand:
     return GemmOperand(weight.shape[0] // node._saved_groups * overlap, weight)
 
 
+def _addmm_mat1(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand:
+    node = graph.nodes[i]
+    mat2 = saved_tensor(node, "mat2")
+    if mat2 is None:  # Linear: mat2 is the weight, transposed
+        weight = _parameter_operand(graph, i, 2, grad.dtype)
+        mat2 = weight.t() if weight is not None and weight.dim() == 2 else None
+    return GemmOperand(node._saved_mat2_sym_sizes[1], mat2)
+
+
+def _saved_operand(name: str, length: Callable[[torch.Tensor], int]) -> Callable[[AutogradGraph, int, torch.Tensor], GemmOperand]:
+    def operand(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand:
+        tensor = saved_tensor(graph.nodes[i], name)
+        return GemmOperand(length(tensor) if tensor is not None else math.nan, tensor)
+
+    return operand
+
+
 # Per GEMM node type, per input edge: the other operand and the accumulation length of that
 # input's gradient, e.g. addmm(bias, mat1, mat2): ∇mat1 = ∇Y · mat2ᵀ sums over mat2's columns.
-GEMM_OPERANDS: dict[str, dict[int, Callable[[Node], GemmOperand]]] = {
+GEMM_OPERANDS: dict[str, dict[int, Callable[[AutogradGraph, int, torch.Tensor], GemmOperand]]] = {
     "ConvolutionBackward0": {0: _conv_input},
-    "AddmmBackward0": {
-        1: lambda n: GemmOperand(n._saved_mat2.shape[1], n._saved_mat2),
-        2: lambda n: GemmOperand(n._saved_mat1.shape[0], n._saved_mat1),
-    },
-    "MmBackward0": {
-        0: lambda n: GemmOperand(n._saved_mat2.shape[-1], n._saved_mat2),
-        1: lambda n: GemmOperand(n._saved_self.shape[-2], n._saved_self),
-    },
-    "BmmBackward0": {
-        0: lambda n: GemmOperand(n._saved_mat2.shape[-1], n._saved_mat2),
-        1: lambda n: GemmOperand(n._saved_self.shape[-2], n._saved_self),
-    },
-    "BaddbmmBackward0": {
-        1: lambda n: GemmOperand(n._saved_batch2.shape[-1], n._saved_batch2),
-        2: lambda n: GemmOperand(n._saved_batch1.shape[-2], n._saved_batch1),
-    },
+    "AddmmBackward0": {1: _addmm_mat1, 2: _saved_operand("mat1", lambda t: t.shape[0])},
+    "MmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
+    "BmmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
+    "BaddbmmBackward0": {1: _saved_operand("batch2", lambda t: t.shape[-1]), 2: _saved_operand("batch1", lambda t: t.shape[-2])},
 }
 
 def _channel_norm_max(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
@@ -143,8 +163,9 @@ def _sum_max(grad: torch.Tensor, channel_dim: int) -> torch.Tensor:
 
 def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
     bounds = []
-    if 1 in weight_edges:  # ∇W[o, i, k] = Σ_{n,h,w} ∇Y[n,o,h,w]·X[n,i,h+k]: Cauchy–Schwarz over the sum
-        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(node._saved_input, 1))
+    inputs = saved_tensor(node, "input")
+    if 1 in weight_edges and inputs is not None:  # ∇W[o, i, k] = Σ_{n,h,w} ∇Y[n,o,h,w]·X[n,i,h+k]: Cauchy–Schwarz
+        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(inputs, 1))
     if 2 in weight_edges:  # the bias gradient is computed exactly: it is a sum of ∇Y
         bounds.append(_sum_max(grad, 1))
     return bounds
@@ -152,31 +173,36 @@ def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple
 
 def _addmm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
     bounds = []
-    if 2 in weight_edges:  # ∇W = Xᵀ·∇Y summed over the rows
-        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(node._saved_mat1, 1))
+    mat1 = saved_tensor(node, "mat1")
+    if 2 in weight_edges and mat1 is not None:  # ∇W = Xᵀ·∇Y summed over the rows
+        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(mat1, 1))
     if 0 in weight_edges:
         bounds.append(_sum_max(grad, 1))
     return bounds
 
 
 def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
-    if 1 not in weight_edges:
+    left = saved_tensor(node, "self")
+    if 1 not in weight_edges or left is None:
         return []
-    return [_channel_norm_max(grad, 1) * _channel_norm_max(node._saved_self, 1)]
+    return [_channel_norm_max(grad, 1) * _channel_norm_max(left, 1)]
 
 
 # Per GEMM node type: upper bounds on the largest weight (and bias) gradient it outputs from the
 # incoming ∇Y, for its inputs that are parameters. The paper bounds only ∇X; but a weight
 # gradient sums over batch × positions, so at scales that keep ∇X above λmin it is the first to
-# overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost.
+# overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost. Under activation
+# checkpointing the input is not readable: the bound is left out and an overflow skips the step.
 WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], list[torch.Tensor]]] = {
     "ConvolutionBackward0": _conv_weight_grad_bounds,
     "AddmmBackward0": _addmm_weight_grad_bounds,
     "MmBackward0": _mm_weight_grad_bounds,
 }
 
-# Nodes whose insides autograd cannot see: gradients pass through them unscaled.
-OPAQUE_MARKERS = ("CompiledFunction",)
+# Reentrant activation checkpointing: its backward runs a second backward over a graph this walk
+# never sees, which accumulates straight into the parameters' ``.grad``. Its incoming gradient is
+# brought back to scale 1, so that graph runs unscaled and its parameters get true gradients.
+UNSCALING_NODES = frozenset({"CheckpointFunctionBackward"})
 
 _LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn}
 
@@ -196,8 +222,11 @@ class GraphAnalysis:
         merge_nodes: Nodes with more than one input slot (split, unbind, multi-output Functions).
         slots: Node index -> the input slots that receive gradients.
         leaves: Indices of ``AccumulateGrad`` nodes.
-        layer_names: Name of every GEMM and cast node, for reporting.
-        opaque: Type names of nodes whose gradients pass through unscaled.
+        layer_names: Name of every GEMM, cast, unscaling and opaque node, for reporting.
+        unscaling: Nodes whose incoming gradient is brought back to scale 1 (``UNSCALING_NODES``).
+        opaque: Nodes this walk cannot see into (custom autograd Functions, compiled regions,
+            fused kernels without a model): their gradients pass through with the scale they carry.
+        leaf_sources: Leaf index -> the node whose single edge feeds it (leaves fed by one edge).
     """
 
     gemms: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -208,7 +237,9 @@ class GraphAnalysis:
     slots: dict[int, set[int]] = field(default_factory=dict)
     leaves: set[int] = field(default_factory=set)
     layer_names: dict[int, str] = field(default_factory=dict)
-    opaque: set[str] = field(default_factory=set)
+    unscaling: set[int] = field(default_factory=set)
+    opaque: set[int] = field(default_factory=set)
+    leaf_sources: dict[int, int] = field(default_factory=dict)
 
 
 # How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes.
@@ -240,6 +271,11 @@ def _is_cast(graph: AutogradGraph, i: int) -> bool:
         if graph.nodes[target]._input_metadata[slot].dtype in _LOW_PRECISION:
             return True
     return False
+
+
+def _is_opaque(node: Node, name: str) -> bool:
+    """A node whose backward runs code this walk cannot see: a custom Function or a compiled region."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 
 
 def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis:
@@ -281,10 +317,18 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
             analysis.gemms[i] = data_edges
             analysis.weight_edges[i] = tuple(k for k, e in enumerate(edges) if e is not None and _leaf_reached(graph, e[0]) is not None)
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
-        elif any(marker in name for marker in OPAQUE_MARKERS):
-            analysis.opaque.add(name)
+        elif name in UNSCALING_NODES:
+            analysis.unscaling.add(i)
+            analysis.layer_names[i] = unique(name)
+        elif _is_opaque(graph.nodes[i], name):
+            analysis.opaque.add(i)
+            analysis.layer_names[i] = unique(name)
         elif _is_cast(graph, i):
             analysis.casts.add(i)
+    for i, edges in enumerate(graph.edges):
+        for edge in edges:
+            if edge is not None and edge[0] in analysis.leaves and graph.in_counts[edge] == 1:
+                analysis.leaf_sources[edge[0]] = i
     for i in sorted(analysis.casts):
         producer = _nearest_gemm(graph, i, analysis)
         analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.cast" if producer is not None else "cast")

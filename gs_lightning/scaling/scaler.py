@@ -4,15 +4,18 @@ How it runs, in brief:
 
 * Every backward walks the new autograd graph (a few hundred nodes: well under a millisecond).
 * On an **update** iteration (the first, every ``update_interval``-th, after a skipped step, or
-  when the graph's structure changed) hooks decide every scale in reverse topological order as
-  autograd executes: a local scale β at each GEMM (Theorem 1) and each fp32→low-precision cast
-  (Theorem 2), a common scale at each branch and split (Algorithm 1, line 17). Each decision
-  reads a few statistics of the gradient at hand: that is the only host-device synchronisation.
-* On the iterations in between, the decisions are replayed as constant power-of-two factors:
-  no statistics, no synchronisation, and no hook at all where the factor is 1.
-* Every gradient that reaches a leaf (a parameter) is divided by the scale it carries, in the
-  leaf's own precision (fp32 master weights), before autograd accumulates it into ``.grad``.
-  So ``.grad``, DDP's all-reduce and the optimizer only ever see true gradients.
+  when the graph's structure changed) hooks decide every scale as autograd executes
+  (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
+  at hand: that is the only host-device synchronisation.
+* On the iterations in between, the decisions are replayed as constant power-of-two factors
+  (:mod:`~gs_lightning.scaling.plan`): no statistics, no synchronisation, and no hook at all where
+  the factor is 1.
+* Gradients reaching a parameter are divided by the scale they carry in the parameter's own
+  precision (fp32 master weights): after the backward, in one fused kernel per device and dtype,
+  where nothing can observe ``.grad`` in between; otherwise (DDP, accumulation into an existing
+  ``.grad``, hooks on the parameter, a parameter fed by several edges) before autograd
+  accumulates them. Either way ``.grad``, DDP's all-reduce and the optimizer only see true
+  gradients.
 """
 
 from __future__ import annotations
@@ -21,127 +24,36 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
-from functools import partial
-from itertools import zip_longest
+from dataclasses import asdict
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
-from gs_lightning.scaling.graph import GEMM_OPERANDS, LEAF, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis, Slot, analyze, walk
-from gs_lightning.scaling.underflow import (
-    branch_log2_scale,
-    cast_min_log2_scale,
-    cast_underflow_rate,
-    choose_log2_scale,
-    gemm_min_log2_scale,
-    gemm_sigma,
-    gemm_underflow_rate,
-    overflow_max_log2_scale,
-)
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, analyze, walk
+from gs_lightning.scaling.plan import ScalePlan
+from gs_lightning.scaling.update import LayerScale, Settings, UpdateRun
 
 _MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
+_UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
-def _times_pow2(grad: torch.Tensor, exponent: int) -> torch.Tensor:
-    return grad * (2.0**exponent) if exponent else grad
+class _PreparedBackward:
+    """The hooks registered on one graph by :meth:`GradientScaler.scale`, until its backward ends."""
 
+    def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, deferred: frozenset[int], run: UpdateRun | None) -> None:
+        self.graph = graph
+        self.analysis = analysis
+        self.deferred = deferred
+        self.run = run
+        self.handles: list = []
 
-def _scale_grad_outputs(factors: tuple[float | None, ...], grad_outputs: tuple) -> tuple:
-    """Node pre-hook between updates: constant factors per incoming slot."""
-    return tuple(g if f is None or g is None else g * f for g, f in zip_longest(grad_outputs, factors))
-
-
-def _scale_grad_inputs(factors: tuple[float | None, ...], grad_inputs: tuple, grad_outputs: tuple) -> tuple:
-    """Node post-hook between updates: constant factors per outgoing edge."""
-    return tuple(g if f is None or g is None else g * f for g, f in zip(grad_inputs, factors))
-
-
-@dataclass
-class ScalePlan:
-    """Every scale decided on the last update iteration, for one graph structure.
-
-    Exponents are log2 of the scales. ``alpha_out[i]`` is the scale node ``i``'s outgoing
-    gradients carry; ``slot_alpha[(i, s)]`` the scale of the gradient arriving in slot ``s``.
-    """
-
-    names: tuple[str, ...]
-    edges: tuple[tuple[Slot | None, ...], ...]
-    alpha_out: dict[int, int]
-    slot_alpha: dict[Slot, int]
-    hooks: list[tuple[int, tuple | None, tuple | None]] | None = field(default=None, repr=False)
-
-    def hook_factors(self, graph: AutogradGraph) -> list[tuple[int, tuple | None, tuple | None]]:
-        """(node, pre-hook factors, post-hook factors) for the nodes whose gradients change."""
-        if self.hooks is None:
-            self.hooks = self._derive(graph)
-        return self.hooks
-
-    def _derive(self, graph: AutogradGraph) -> list[tuple[int, tuple | None, tuple | None]]:
-        slots_of: dict[int, list[int]] = defaultdict(list)
-        for j, s in self.slot_alpha:
-            slots_of[j].append(s)
-        hooks = []
-        for i, edges in enumerate(graph.edges):
-            alpha = self.alpha_out.get(i)
-            if alpha is None or graph.names[i] == LEAF:
-                continue
-            pre: list[float | None] = [None] * (max(slots_of[i], default=-1) + 1)
-            for s in slots_of[i]:
-                shift = alpha - self.slot_alpha[(i, s)]
-                pre[s] = 2.0**shift if shift else None
-            post: list[float | None] = []
-            for edge in edges:
-                shift = 0
-                if edge is not None:
-                    if graph.names[edge[0]] == LEAF:
-                        shift = -alpha
-                    elif graph.in_counts[edge] > 1:
-                        shift = self.slot_alpha.get(edge, alpha) - alpha
-                post.append(2.0**shift if shift else None)
-            pre_t = tuple(pre) if any(f is not None for f in pre) else None
-            post_t = tuple(post) if any(f is not None for f in post) else None
-            if pre_t or post_t:
-                hooks.append((i, pre_t, post_t))
-        return hooks
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "edges": [[list(e) if e is not None else None for e in edges] for edges in self.edges],
-            "alpha_out": sorted(self.alpha_out.items()),
-            "slot_alpha": sorted((j, s, a) for (j, s), a in self.slot_alpha.items()),
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> ScalePlan:
-        return cls(
-            names=tuple(state["names"]),
-            edges=tuple(tuple(tuple(e) if e is not None else None for e in edges) for edges in state["edges"]),
-            alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
-            slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
-        )
-
-
-@dataclass(frozen=True)
-class LayerScale:
-    """What the last update chose for one GEMM or cast.
-
-    Attributes:
-        name: Layer name (qualified module name where known, ``".cast"`` appended for casts).
-        kind: ``"gemm"`` or ``"cast"``.
-        log2_scale: log2 of the local scale β.
-        log2_total: log2 of the accumulated scale α·β its outgoing gradients carry.
-        underflow_rate: The model's estimated underflow rate of its output at that scale.
-    """
-
-    name: str
-    kind: str
-    log2_scale: int
-    log2_total: int
-    underflow_rate: float
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 class GradientScaler:
@@ -156,8 +68,13 @@ class GradientScaler:
         scaler.backward(loss)     # afterwards every .grad is the true gradient
         scaler.step(optimizer)    # skipped if a gradient was non-finite
 
+    It is also a drop-in for ``torch.amp.GradScaler`` in an existing AMP loop
+    (``scaler.scale(loss).backward()``, ``unscale_``, ``step``, ``update``).
+
     Args:
-        model: Optional; used only to name layers after their modules (``"layer1.0.conv1"``).
+        model: Optional; names layers after their modules (``"layer1.0.conv1"``) and lets a
+            skipped step restore the model's buffers (BatchNorm running statistics), which the
+            skipped iteration's forward already changed.
         underflow_rate: γ', the target fraction of a gradient's elements that may underflow.
         update_interval: Recompute the scales every this many backward passes (the paper: 100).
         dtype: The low-precision format whose range the scales protect.
@@ -170,6 +87,8 @@ class GradientScaler:
             gradient, zeros included.
         max_layer_scale: Optional cap on each local scale β (the reference code used 16).
         max_total_scale: Optional cap on each accumulated scale (the reference code used 1024).
+        max_consecutive_skips: ``step`` raises once more than this many steps in a row were
+            skipped for non-finite gradients (a diverged run); ``None`` never raises.
         enabled: If false, ``backward`` is plain ``loss.backward()`` and ``step`` always steps.
     """
 
@@ -183,6 +102,7 @@ class GradientScaler:
         relu_factor: float = 1.0,
         max_layer_scale: float | None = None,
         max_total_scale: float | None = None,
+        max_consecutive_skips: int | None = 100,
         enabled: bool = True,
     ) -> None:
         if not 0.0 < underflow_rate < 0.5:
@@ -196,6 +116,8 @@ class GradientScaler:
         for option, value in (("max_layer_scale", max_layer_scale), ("max_total_scale", max_total_scale)):
             if value is not None and not value >= 1.0:
                 raise ValueError(f"GradientScaler: {option} must be None or >= 1, got {value}")
+        if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
+            raise ValueError(f"GradientScaler: max_consecutive_skips must be None or a positive integer, got {max_consecutive_skips!r}")
         self.format = float_format(dtype)
         self.underflow_rate = underflow_rate
         self.update_interval = update_interval
@@ -203,19 +125,27 @@ class GradientScaler:
         self.relu_factor = relu_factor
         self.max_layer_scale = max_layer_scale
         self.max_total_scale = max_total_scale
+        self.max_consecutive_skips = max_consecutive_skips
         self.enabled = enabled
+        self._model = model
         self._module_names = _module_names(model) if model is not None else {}
+        self._parameter_names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+        self._buffer_copy = [b.detach().clone() for b in model.buffers()] if model is not None else []
 
         self._iteration = 0
         self._skipped_steps = 0
+        self._consecutive_skips = 0
         self._plan: ScalePlan | None = None
         self._analysis: GraphAnalysis | None = None
         self._force_update = False
         self._backoff: int | None = None
         self._last_skip = 0  # iteration of the last skipped step
         self._layers: dict[str, LayerScale] = {}
+        self._first_non_finite: str | None = None
+        self._prepared: _PreparedBackward | None = None
         self._touched: dict[int, torch.Tensor] = {}  # leaves whose .grad a backward wrote since the last step
-        self._stepped = False
+        self._optimizer_stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
+        self._optimizer_found_inf: dict[int, bool] = {}
         self._skipped_this_iteration = False
         self._warned: set[str] = set()
 
@@ -236,76 +166,116 @@ class GradientScaler:
         """Number of optimizer steps skipped because a gradient was non-finite."""
         return self._skipped_steps
 
+    def is_enabled(self) -> bool:
+        """Whether scaling is on (``GradScaler``'s name)."""
+        return self.enabled
+
+    def get_scale(self) -> float:
+        """``GradScaler``'s loss scale: always 1, since the scales are per layer (see :meth:`scales`)."""
+        return 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Prepare the per-layer scaled backward of ``loss``; returns ``loss``, whose ``.backward()`` runs it.
+
+        ``scaler.scale(loss).backward()`` is :meth:`backward`, as in a ``torch.amp.GradScaler``
+        loop. The hooks live on this graph only and go away when its backward ends.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"GradientScaler.scale: expected the loss tensor, got {type(loss).__name__}")
+        self._begin_iteration()
+        if not self.enabled or loss.grad_fn is None:
+            return loss
+        if loss.numel() != 1:
+            raise RuntimeError(f"GradientScaler: loss must be a scalar, got shape {tuple(loss.shape)}")
+        graph = walk(loss.grad_fn)
+        known = self._plan is not None and self._plan.matches(graph)
+        update = not known or self._force_update or self._iteration % self.update_interval == 0
+        if self._analysis is None or not known:
+            self._analysis = analyze(graph, self._module_names)
+            self._check_parameters(graph)
+            self._warn_unhandled(graph, self._analysis)
+        deferred = self._deferred_leaves(graph, self._analysis)
+        run = UpdateRun(graph, self._analysis, self._settings(), deferred, self._warn_once) if update else None
+        prepared = _PreparedBackward(graph, self._analysis, deferred, run)
+        # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
+        prepared.handles.append(loss.grad_fn.register_prehook(self._queue_finish))
+        prepared.handles += run.register() if run is not None else self._plan.replay(graph, deferred)
+        self._prepared = prepared
+        return loss
+
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``."""
-        if self._stepped:
-            self._touched.clear()
-            self._stepped = self._skipped_this_iteration = False
-        if not self.enabled or loss.grad_fn is None:
-            loss.backward(retain_graph=retain_graph)
-            return
-        if loss.numel() != 1:
-            raise RuntimeError(f"GradientScaler.backward: loss must be a scalar, got shape {tuple(loss.shape)}")
-        graph = walk(loss.grad_fn)
-        known = self._plan is not None and graph.same_structure(self._plan.names, self._plan.edges)
-        update = not known or self._force_update or self._iteration % self.update_interval == 0
-        if update:
-            if self._analysis is None or not known:
-                self._analysis = analyze(graph, self._module_names)
-                self._warn_unhandled(self._analysis)
-            run = _UpdateRun(self, graph, self._analysis)
-            handles = run.register()
-        else:
-            handles = []
-            for i, pre, post in self._plan.hook_factors(graph):
-                node = graph.nodes[i]
-                if pre is not None:
-                    handles.append(node.register_prehook(partial(_scale_grad_outputs, pre)))
-                if post is not None:
-                    handles.append(node.register_hook(partial(_scale_grad_inputs, post)))
-        try:
-            torch.autograd.backward(loss, retain_graph=retain_graph)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if update:
-            self._finish_update(run, graph)
-        self._iteration += 1
-        self._touched.update((id(v), v) for v in graph.leaf_variables())
+        self.scale(loss).backward(retain_graph=retain_graph)
 
     @property
     def found_inf(self) -> bool:
         """Whether a backward since the last step left a non-finite gradient (synchronises)."""
-        return _any_non_finite(self._touched.values())
+        return any_non_finite(v.grad for v in self._touched.values())
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.unscale_``: the gradients are already true, so this only checks them.
+
+        Kept so that an AMP loop (unscale, clip, step, update) runs unchanged; as with
+        ``GradScaler``, a second call for the same optimizer before :meth:`update` is an error.
+        """
+        if not self.enabled:
+            return
+        stage = self._optimizer_stage.get(id(optimizer))
+        if stage == "unscaled":
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if stage == "stepped":
+            raise RuntimeError("unscale_() is being called after step().")
+        self._optimizer_stage[id(optimizer)] = "unscaled"
+        self._optimizer_found_inf[id(optimizer)] = _optimizer_non_finite(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
 
         As ``GradScaler``, each optimizer is judged by its own parameters' gradients (one fused
         check, the only synchronisation of a non-update iteration). A skipped step leaves the
-        weights untouched and makes the next backward recompute the scales, with the accumulated
-        scale capped below the one that overflowed.
+        weights untouched, restores the model's buffers to their values before the iteration,
+        and makes the next backward recompute the scales, with the accumulated scale capped
+        below the one that overflowed.
+
+        Raises:
+            RuntimeError: after more than ``max_consecutive_skips`` skipped steps in a row, naming
+                the first layer whose gradient was non-finite.
         """
         if not self.enabled:
             optimizer.step(*args, **kwargs)
             return True
-        overflow = _any_non_finite(p for group in optimizer.param_groups for p in group["params"])
-        if overflow and not self._skipped_this_iteration:
-            self._skipped_this_iteration = True
-            self._skipped_steps += 1
-            self._back_off()
-        self._stepped = True
+        if self._optimizer_stage.get(id(optimizer)) == "stepped":
+            raise RuntimeError("step() has already been called since the last update().")
+        overflow = self._optimizer_found_inf.pop(id(optimizer), None)
+        if overflow is None:
+            overflow = _optimizer_non_finite(optimizer)
+        self._optimizer_stage[id(optimizer)] = "stepped"
         if overflow:
+            if not self._skipped_this_iteration:
+                self._skip()
             return False
         optimizer.step(*args, **kwargs)
+        if not self._skipped_this_iteration:
+            self._consecutive_skips = 0
+            self._save_buffers()
         return True
 
+    def update(self) -> None:
+        """End the iteration (``GradScaler.update``); the next backward starts a new one.
+
+        Optional for :meth:`backward` loops: a backward after a step starts a new iteration too.
+        """
+        self._optimizer_stage.clear()
+        self._optimizer_found_inf.clear()
+        self._touched.clear()
+        self._skipped_this_iteration = False
+
     def scales(self) -> dict[str, float]:
-        """{layer name: local scale β last chosen}, for every GEMM and cast."""
+        """{layer name: local scale β last chosen}, for every decision point."""
         return {name: 2.0**layer.log2_scale for name, layer in self._layers.items()}
 
     def underflow_rates(self) -> dict[str, float]:
-        """{layer name: the model's estimated underflow rate at the chosen scale}."""
+        """{layer name: the estimated underflow rate at the chosen scale} (NaN where no model applies)."""
         return {name: layer.underflow_rate for name, layer in self._layers.items()}
 
     def layers(self) -> list[LayerScale]:
@@ -313,13 +283,15 @@ class GradientScaler:
         return list(self._layers.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state: iteration counter, skipped steps and every scale of the last update."""
+        """The scaler's state: counters, back-off and every scale of the last update (plain containers)."""
         return {
             "iteration": self._iteration,
             "skipped_steps": self._skipped_steps,
+            "consecutive_skips": self._consecutive_skips,
             "force_update": self._force_update,
             "backoff": self._backoff,
             "last_skip": self._last_skip,
+            "first_non_finite": self._first_non_finite,
             "plan": self._plan.state_dict() if self._plan is not None else None,
             "layers": [asdict(layer) for layer in self._layers.values()],
         }
@@ -328,48 +300,164 @@ class GradientScaler:
         """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
         self._iteration = int(state["iteration"])
         self._skipped_steps = int(state["skipped_steps"])
+        self._consecutive_skips = int(state.get("consecutive_skips", 0))
         self._force_update = bool(state["force_update"])
         self._backoff = state["backoff"]
         self._last_skip = int(state["last_skip"])
+        self._first_non_finite = state.get("first_non_finite")
         self._plan = ScalePlan.from_state_dict(state["plan"]) if state["plan"] is not None else None
         self._analysis = None
         self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
 
-    # --- internals -------------------------------------------------------------------------
+    # --- one backward ------------------------------------------------------------------------
 
-    def _total_cap(self) -> int | None:
+    def _begin_iteration(self) -> None:
+        if self._prepared is not None:  # scale() whose backward never ran (or failed)
+            self._prepared.remove_hooks()
+            self._prepared = None
+        if self._optimizer_stage and "stepped" in self._optimizer_stage.values():
+            self.update()
+
+    def _queue_finish(self, grad_outputs: tuple) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        """Run by the autograd engine once the prepared graph's backward is done."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return
+        prepared.remove_hooks()
+        graph, analysis, run = prepared.graph, prepared.analysis, prepared.run
+        alpha_out = run.alpha_out if run is not None else self._plan.alpha_out
+        _unscale_leaves(
+            [(graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in prepared.deferred]
+        )
+        if run is not None:
+            self._finish_update(run)
+        self._iteration += 1
+        self._touched.update((id(v), v) for v in graph.leaf_variables())
+
+    def _deferred_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis) -> frozenset[int]:
+        """Leaves whose gradient can wait for the fused unscale after the backward.
+
+        Nobody may see ``.grad`` before then: no DDP (it all-reduces during the backward), no
+        hooks on the parameter, no existing ``.grad`` to accumulate into, one incoming edge.
+        """
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return frozenset()
+        deferred = []
+        for j in analysis.leaf_sources:
+            variable = graph.nodes[j].variable
+            if variable.grad is None and not variable._backward_hooks and not getattr(variable, "_post_accumulate_grad_hooks", None):
+                deferred.append(j)
+        return frozenset(deferred)
+
+    def _settings(self) -> Settings:
         caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale)) if c is not None]
-        return min(caps) if caps else None
+        return Settings(
+            underflow_rate=self.underflow_rate,
+            lambda_min=self.lambda_min_value,
+            lambda_max=self.format.max,
+            relu_factor=self.relu_factor,
+            layer_cap=_log2_floor(self.max_layer_scale),
+            total_cap=min(caps) if caps else None,
+        )
 
-    def _finish_update(self, run: _UpdateRun, graph: AutogradGraph) -> None:
+    def _finish_update(self, run: UpdateRun) -> None:
         # Relax the cap only after a full interval without a skipped step (update_interval=1 included).
         scheduled = self._iteration % self.update_interval == 0 and self._iteration - self._last_skip >= self.update_interval
-        self._plan = ScalePlan(tuple(graph.names), tuple(graph.edges), run.alpha_out, run.slot_alpha)
+        self._plan = run.plan()
         self._layers = {layer.name: layer for layer in run.layers}
+        self._first_non_finite = run.first_non_finite()
         self._force_update = False
         if self._backoff is not None and scheduled:
             largest = max(run.alpha_out.values(), default=0)
             # One bit per clean interval; drop the cap once it no longer binds.
             self._backoff = None if largest < self._backoff else self._backoff + 1
 
-    def _back_off(self) -> None:
+    # --- skipped steps -----------------------------------------------------------------------
+
+    def _skip(self) -> None:
+        self._skipped_this_iteration = True
+        self._skipped_steps += 1
+        self._consecutive_skips += 1
         largest = max(self._plan.alpha_out.values(), default=0) if self._plan is not None else 0
         cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
         self._backoff = max(cap, _MIN_BACKOFF)
         self._last_skip = self._iteration
         self._force_update = True
+        self._restore_buffers()
+        if self.max_consecutive_skips is not None and self._consecutive_skips > self.max_consecutive_skips:
+            where = f"layer {self._first_non_finite!r}" if self._first_non_finite else "the loss (no layer had a non-finite gradient)"
+            raise RuntimeError(
+                f"GradientScaler: {self._consecutive_skips} optimizer steps in a row were skipped for non-finite "
+                f"gradients (max_consecutive_skips={self.max_consecutive_skips}); the first non-finite gradient in "
+                f"backward order on the last update iteration was at {where}. The run has diverged or its forward "
+                "produces inf/NaN: lower the learning rate or check the inputs."
+            )
+
+    def _save_buffers(self) -> None:
+        if self._model is None:
+            return
+        buffers = list(self._model.buffers())
+        if not buffers:
+            return
+        if _same_layout(buffers, self._buffer_copy):
+            torch._foreach_copy_(self._buffer_copy, buffers)
+        else:  # moved to another device, or buffers added
+            self._buffer_copy = [b.detach().clone() for b in buffers]
+
+    def _restore_buffers(self) -> None:
+        if self._model is None:
+            return
+        buffers = list(self._model.buffers())
+        if len(buffers) != len(self._buffer_copy):
+            return
+        non_finite = sum(not bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point())
+        with torch.no_grad():
+            for buffer, saved in zip(buffers, self._buffer_copy):
+                buffer.copy_(saved)
+        if non_finite:
+            self._warn_once(
+                "buffers",
+                f"GradientScaler: a skipped step's forward had left {non_finite} non-finite buffer(s) (e.g. BatchNorm "
+                "running statistics); all buffers were restored to their values before that iteration.",
+            )
+
+    # --- analysis checks ---------------------------------------------------------------------
+
+    def _check_parameters(self, graph: AutogradGraph) -> None:
+        for variable in graph.leaf_variables():
+            if variable.dtype in _UNSCALABLE_PARAMETER_DTYPES:
+                name = self._parameter_names.get(id(variable), f"of shape {tuple(variable.shape)}")
+                raise ValueError(
+                    f"GradientScaler: parameter {name} is {variable.dtype}; its gradient cannot be unscaled in "
+                    f"{variable.dtype} without underflow. Keep parameters in float32 and run the forward under "
+                    "torch.autocast instead of model.half() (torch.amp.GradScaler refuses fp16 gradients too)."
+                )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _warn_unhandled(self, analysis: GraphAnalysis) -> None:
-        for name in sorted(analysis.opaque):
+    def _warn_unhandled(self, graph: AutogradGraph, analysis: GraphAnalysis) -> None:
+        opaque = sorted({graph.names[i] for i in analysis.opaque} - self._warned)
+        if opaque:
+            self._warned.update(opaque)
+            warnings.warn(
+                f"GradientScaler: the backward graph contains {', '.join(opaque)} (custom autograd Functions or "
+                "compiled regions); scaling cannot see inside, so their gradients pass through with the scale they "
+                "carry and no scale of their own (reported as kind 'opaque' in layers()).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if analysis.unscaling:
             self._warn_once(
-                name,
-                f"GradientScaler: the backward graph contains {name} (e.g. from torch.compile); "
-                "gradients inside it pass through unscaled.",
+                "reentrant-checkpoint",
+                "GradientScaler: torch.utils.checkpoint(use_reentrant=True) runs a second backward that scaling cannot "
+                "see; gradients inside checkpointed blocks run unscaled (exact, but unprotected from underflow). "
+                "use_reentrant=False, PyTorch's recommended setting, keeps per-layer scaling inside.",
             )
         if not analysis.gemms and not analysis.casts:
             self._warn_once("no-gemm", "GradientScaler: no GEMM or cast found in the backward graph; nothing is scaled.")
@@ -387,182 +475,27 @@ def _log2_floor(value: float | None) -> int | None:
     return None if value is None else math.floor(math.log2(value))
 
 
-def _any_non_finite(variables: Iterable[torch.Tensor]) -> bool:
-    """Whether any ``.grad`` holds inf or NaN: one fused check per (device, dtype), one sync."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for variable in variables:
-        if variable.grad is not None and variable.grad.is_floating_point():
-            groups[(variable.grad.device, variable.grad.dtype)].append(variable.grad)
-    flags = []
-    for (device, _), grads in groups.items():
-        flag = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1, device=device))
-        flags.append(flag)
-    return any(bool(flag.item()) for flag in flags)
+def _optimizer_non_finite(optimizer: torch.optim.Optimizer) -> bool:
+    return any_non_finite(p.grad for group in optimizer.param_groups for p in group["params"])
 
 
-def _stats(*values: torch.Tensor) -> list[float]:
-    """Statistics to the host in one synchronisation."""
-    return torch.stack([v.float() for v in values]).tolist()
+def _same_layout(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> bool:
+    return len(tensors) == len(copies) and all(
+        t.shape == c.shape and t.dtype == c.dtype and t.device == c.device for t, c in zip(tensors, copies)
+    )
 
 
-def _rms(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(max(t.numel(), 1))
-
-
-def _absmax(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32)
-
-
-class _UpdateRun:
-    """Hooks of one update iteration: Algorithm 1, decided node by node as autograd runs."""
-
-    def __init__(self, scaler: GradientScaler, graph: AutogradGraph, analysis: GraphAnalysis) -> None:
-        self.scaler = scaler
-        self.graph = graph
-        self.analysis = analysis
-        self.alpha_out: dict[int, int] = {}
-        self.slot_alpha: dict[Slot, int] = {(0, 0): 0}
-        self.layers: list[LayerScale] = []
-        self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
-        self._arrived: dict[Slot, int] = defaultdict(int)
-        self._cap = scaler._total_cap()
-        self._layer_cap = _log2_floor(scaler.max_layer_scale)
-        self._lambda_min = scaler.lambda_min_value
-        self._lambda_max = scaler.format.max
-
-    def register(self) -> list:
-        a = self.analysis
-        decides = a.gemms.keys() | a.casts | a.merge_nodes
-        handles = []
-        for i, node in enumerate(self.graph.nodes):
-            if i in a.leaves:
-                continue
-            if i in decides:
-                handles.append(node.register_prehook(partial(self._pre, i)))
-            if any(e is not None for e in self.graph.edges[i]):
-                handles.append(node.register_hook(partial(self._post, i)))
-        return handles
-
-    # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
-    def _pre(self, i: int, grad_outputs: tuple) -> tuple:
-        grads = list(grad_outputs)
-        alphas = {s: self.slot_alpha.get((i, s), 0) for s, g in enumerate(grads) if g is not None}
-        alpha = next(iter(alphas.values()), 0)
-        if len(set(alphas.values())) > 1:
-            maxima = _stats(*(_absmax(grads[s]) for s in alphas))
-            largest = max(m * 2.0 ** -alphas[s] for m, s in zip(maxima, alphas))
-            alpha = self._capped(branch_log2_scale(list(alphas.values()), largest, self._lambda_max))
-            for s, a in alphas.items():
-                grads[s] = _times_pow2(grads[s], alpha - a)
-        beta = 0
-        if alphas and (i in self.analysis.gemms or i in self.analysis.casts):
-            grad = grads[next(iter(alphas))]
-            try:
-                beta = self._gemm_scale(i, grad, alpha) if i in self.analysis.gemms else self._cast_scale(i, grad, alpha)
-            except Exception as error:  # never crash training: this node passes its scale through
-                self.scaler._warn_once(
-                    f"stats:{self.graph.names[i]}",
-                    f"GradientScaler: could not compute a scale at {self.graph.names[i]} ({error!r}); "
-                    "its gradients pass through unscaled.",
-                )
-            grads = [_times_pow2(g, beta) if g is not None else None for g in grads]
-        self.alpha_out[i] = alpha + beta
-        return tuple(grads)
-
-    # Post-hook: unscale what reaches a leaf, gather what meets at a branch, pass the rest on.
-    def _post(self, i: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
-        alpha = self.alpha_out.get(i)
-        if alpha is None:
-            (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
-            alpha = self.alpha_out[i] = self.slot_alpha.get((i, slot), 0)
-        out = list(grad_inputs)
-        for k, edge in enumerate(self.graph.edges[i]):
-            if edge is None:
-                continue
-            if edge[0] in self.analysis.leaves:
-                if out[k] is not None:
-                    out[k] = _times_pow2(out[k], -alpha)
-            elif edge in self.analysis.branch_slots:
-                out[k] = self._arrive(edge, out[k], alpha)
-            else:
-                self.slot_alpha[edge] = alpha
-        return tuple(out)
-
-    def _arrive(self, slot: Slot, grad: torch.Tensor | None, alpha: int) -> torch.Tensor | None:
-        """Keep a branch contribution aside; the last one applies line 17 and sends the sum."""
-        self._arrived[slot] += 1
-        if grad is not None:
-            self._stash[slot].append((grad, alpha))
-        if self._arrived[slot] < self.graph.in_counts[slot]:
-            return None
-        parts = self._stash.pop(slot, [])
-        if not parts:
-            self.slot_alpha[slot] = alpha
-            return None
-        alphas = [a for _, a in parts]
-        common = alphas[0]
-        if len(set(alphas)) > 1:
-            maxima = _stats(*(_absmax(g) for g, _ in parts))
-            largest = max(m * 2.0**-a for m, a in zip(maxima, alphas))
-            common = self._capped(branch_log2_scale(alphas, largest, self._lambda_max))
-        total = None
-        for grad, a in parts:  # in arrival order, as autograd itself would sum them
-            term = _times_pow2(grad, common - a)
-            total = term if total is None else total + term
-        self.slot_alpha[slot] = common
-        return total
-
-    def _capped(self, exponent: int) -> int:
-        return exponent if self._cap is None else min(exponent, self._cap)
-
-    def _ceiling(self, alpha: int) -> int | None:
-        caps = [c for c in (self._layer_cap, None if self._cap is None else self._cap - alpha) if c is not None]
-        return min(caps) if caps else None
-
-    def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
-        name = self.graph.names[i]
-        node, operand_of = self.graph.nodes[i], GEMM_OPERANDS[name]
-        operands = [operand_of[k](node) for k in self.analysis.gemms[i]]
-        if not operands:  # e.g. the first layer: no activation gradient leaves it
-            return 0
-        weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else []
-        grad_rms, grad_max, *stats = _stats(
-            _rms(grad), _absmax(grad), *(f(op.operand) for op in operands for f in (_rms, _absmax)), *weight_bounds
-        )
-        operand_stats, weight_stats = stats[: 2 * len(operands)], stats[2 * len(operands) :]
-        sigmas = [
-            gemm_sigma(self.scaler.relu_factor * op.accumulation_length, grad_rms, operand_stats[2 * k])
-            for k, op in enumerate(operands)
-        ]
-        lower = max(gemm_min_log2_scale(s, self._lambda_min, self.scaler.underflow_rate) for s in sigmas)
-        upper = min(
-            [overflow_max_log2_scale(grad_max, self._lambda_max)]
-            + [
-                overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * k + 1], self._lambda_max)
-                for k, op in enumerate(operands)
-            ]
-            + [overflow_max_log2_scale(bound, self._lambda_max) for bound in weight_stats]
-        )
-        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
-        rate = max(gemm_underflow_rate(beta, s, self._lambda_min) for s in sigmas)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate))
-        return beta
-
-    def _cast_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
-        magnitude = grad.detach().abs().float()
-        nonzero = magnitude > 0
-        count = nonzero.sum()
-        logs = torch.where(nonzero, magnitude.log(), 0.0)
-        mean = logs.sum() / count.clamp(min=1)
-        var = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)
-        n, log_mean, log_var, largest = _stats(count, mean, var, magnitude.max())
-        if n < 2:
-            return 0
-        log_std = math.sqrt(log_var)
-        lower = cast_min_log2_scale(log_mean, log_std, self._lambda_min, self.scaler.underflow_rate)
-        upper = overflow_max_log2_scale(largest, self._lambda_max)
-        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
-        rate = cast_underflow_rate(beta, log_mean, log_std, self._lambda_min)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate))
-        return beta
+def _unscale_leaves(leaves: Iterable[tuple[torch.Tensor, int]]) -> None:
+    """Divide each leaf's ``.grad`` by ``2^alpha``: one fused multiply per device and dtype (exact)."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[float]]] = defaultdict(lambda: ([], []))
+    for variable, alpha in leaves:
+        grad = variable.grad
+        if alpha == 0 or grad is None:
+            continue
+        if grad.is_sparse:  # values only: exact, duplicates included
+            grad = grad._values()
+        grads, factors = groups[(grad.device, grad.dtype)]
+        grads.append(grad)
+        factors.append(2.0**-alpha)
+    for grads, factors in groups.values():
+        torch._foreach_mul_(grads, factors)

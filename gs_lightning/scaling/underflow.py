@@ -1,14 +1,29 @@
-"""The paper's statistical model of underflow (Zhao et al., IJCAI 2020, §3-4.2), in log2 space.
+"""The statistical model of underflow (Zhao et al., IJCAI 2020, §3-4.2), in log2 space.
 
 Pure functions on host floats; everything here is exact arithmetic on a handful of statistics,
 so it runs only on scale-update iterations. Scales are powers of two and handled as their
 integer exponents: multiplying by ``2.0 ** k`` is exact in every binary float format.
+
+Where this deviates from the paper, and why (issue #8, Monte Carlo in ``bench/underflow_mc.py``):
+
+- GEMMs with a short accumulation length N: Lemma 1 calls a sum of N products of Gaussians
+  Gaussian, but for N ≤ 4 it has far more mass near zero (N = 1 has a log singularity there), so
+  Theorem 1 underestimates underflow 2-5×. Given N, :func:`gemm_underflow_rate` and
+  :func:`gemm_min_log2_scale` use the exact distribution instead (a Gaussian whose variance is a
+  χ²_N-distributed sum of squares); it tends to Theorem 1 as N grows, which is used as is from
+  ``GAUSSIAN_ACCUMULATION_LENGTH`` on.
+- Casts and probed GEMM outputs, where exact values are at hand: :func:`sample_min_log2_scale`
+  reads the scale off an order statistic of the values themselves instead of Theorem 2's
+  log-normal fit, which misses badly for Gaussian, Laplace or sparse gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from statistics import NormalDist
+
+import torch
 
 _STANDARD_NORMAL = NormalDist()
 _SQRT2 = math.sqrt(2.0)
@@ -24,22 +39,108 @@ def gemm_sigma(accumulation_length: float, grad_rms: float, operand_rms: float) 
     return math.sqrt(accumulation_length) * grad_rms * operand_rms
 
 
-def gemm_underflow_rate(log2_scale: float, sigma: float, lambda_min: float) -> float:
-    """Theorem 1: γ(α) = erf(λmin / (√2 α σ)), the expected fraction of elements lost to underflow."""
+# From this accumulation length on, Theorem 1's Gaussian is used as is: the exact distribution's
+# γ' quantile is then within 0.02% of the Gaussian's (2^-12 in log2 scale).
+GAUSSIAN_ACCUMULATION_LENGTH = 4096.0
+
+
+def gemm_underflow_rate(
+    log2_scale: float, sigma: float, lambda_min: float, accumulation_length: float = math.inf
+) -> float:
+    """The expected fraction of a scaled GEMM output's elements that fall below ``lambda_min``.
+
+    Theorem 1, γ(α) = erf(λmin / (√2 α σ)), when ``accumulation_length`` is at least
+    :data:`GAUSSIAN_ACCUMULATION_LENGTH` (the default: the paper's model). Below that, the exact
+    rate for a sum of N products of independent zero-mean Gaussians with σ = √N σ₁σ₂ (see
+    :func:`product_sum_cdf`).
+    """
     if sigma <= 0.0:
         return 0.0
-    return math.erf(lambda_min / (_SQRT2 * sigma * 2.0**log2_scale))
+    threshold = lambda_min / (sigma * 2.0**log2_scale)
+    n = _checked_length(accumulation_length)
+    if n >= GAUSSIAN_ACCUMULATION_LENGTH:
+        return math.erf(threshold / _SQRT2)
+    return product_sum_cdf(threshold * math.sqrt(n), n)
 
 
-def gemm_min_log2_scale(sigma: float, lambda_min: float, target: float) -> float:
-    """Theorem 1 solved for α: the real log2 of the smallest scale with γ(α) ≤ target.
+def gemm_min_log2_scale(
+    sigma: float, lambda_min: float, target: float, accumulation_length: float = math.inf
+) -> float:
+    """:func:`gemm_underflow_rate` solved for α: the real log2 of the smallest scale with γ(α) ≤ target.
 
     Returns ``-inf`` when the output is all zeros (no scale can help, none is needed) or already
     non-finite (the step will be skipped whatever the scale).
     """
     if not 0.0 < sigma < math.inf:
         return -math.inf
-    return math.log2(lambda_min / (_SQRT2 * sigma * erfinv(target)))
+    _check_target(target)
+    n = _checked_length(accumulation_length)
+    if n >= GAUSSIAN_ACCUMULATION_LENGTH:
+        return math.log2(lambda_min / (_SQRT2 * sigma * erfinv(target)))
+    # γ(α) = F_N(λmin √N / (α σ)) ≤ target  ⟺  α ≥ λmin √N / (σ F_N⁻¹(target))
+    return math.log2(lambda_min * math.sqrt(n) / (sigma * product_sum_quantile(target, n)))
+
+
+def product_sum_cdf(x: float, accumulation_length: float) -> float:
+    """P(|Σᵢ aᵢbᵢ| < x) for N independent pairs of standard normals (N need not be an integer).
+
+    Given b, the sum is N(0, V) with V = Σ bᵢ² ~ χ²_N, so the probability is E[erf(x / √(2V))]:
+    a smooth one-dimensional integral over V, done by the trapezoidal rule in ln V (spectrally
+    accurate here: the integrand is analytic and decays doubly exponentially on one side and
+    exponentially on the other). N = 2 gives a Laplace law, N = 1 the product-normal law with its
+    log singularity at zero; for large N it tends to erf(x / √(2N)).
+    """
+    if x <= 0.0:
+        return 0.0
+    if math.isinf(x):
+        return 1.0
+    shape = accumulation_length / 2.0  # V = 2U, U ~ Gamma(shape, 1); integrate over y = ln U
+    spread = 1.0 / math.sqrt(shape)
+    step = min(0.1, 0.25 * spread)
+    # Below 2 ln(x/2) the erf is ≈ 1 and the integrand ≈ e^{shape·y}: cut where that is < 1e-17.
+    lower = min(2.0 * math.log(x / 2.0), math.log(shape) - 12.0 * spread) - 40.0 / shape
+    upper = math.log(shape + 12.0 * math.sqrt(shape) + 45.0)
+    log_norm = -math.lgamma(shape)
+    total = 0.0
+    for i in range(math.ceil((upper - lower) / step) + 1):
+        y = lower + i * step
+        u = math.exp(y)
+        total += math.erf(x / (2.0 * math.sqrt(u))) * math.exp(shape * y - u + log_norm)
+    return min(1.0, total * step)
+
+
+@functools.lru_cache(maxsize=1024)
+def product_sum_quantile(rate: float, accumulation_length: float) -> float:
+    """The x with :func:`product_sum_cdf` (x, N) = rate: the γ' quantile of |Σᵢ aᵢbᵢ| (cached per N, γ')."""
+    _check_target(rate)
+    # Bisection on ln x: F rises monotonically; the Gaussian quantile (an upper bound for small
+    # rates) and a bracket widened by e^{±2} per try start it.
+    gaussian = _SQRT2 * math.sqrt(accumulation_length) * erfinv(rate)
+    low, high = math.log(gaussian) - 2.0, math.log(gaussian) + 2.0
+    while product_sum_cdf(math.exp(low), accumulation_length) > rate:
+        low -= 2.0
+    while product_sum_cdf(math.exp(high), accumulation_length) < rate:
+        high += 2.0
+    for _ in range(60):
+        middle = 0.5 * (low + high)
+        if product_sum_cdf(math.exp(middle), accumulation_length) < rate:
+            low = middle
+        else:
+            high = middle
+        if high - low < 1e-9:
+            break
+    return math.exp(low)  # the lower end: F(x) ≤ rate, so scales from it meet the target
+
+
+def _check_target(target: float) -> None:
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"underflow target must lie in (0, 1), got {target!r}")
+
+
+def _checked_length(accumulation_length: float) -> float:
+    if not accumulation_length > 0.0:
+        raise ValueError(f"accumulation_length must be positive, got {accumulation_length!r}")
+    return float(accumulation_length)
 
 
 def cast_underflow_rate(log2_scale: float, log_mean: float, log_std: float, lambda_min: float) -> float:

@@ -1,0 +1,122 @@
+"""The scales one update iteration decided, and their replay as constant factors in between.
+
+Exponents are log2 of power-of-two scales throughout. ``alpha_out[i]`` is the scale node ``i``'s
+outgoing gradients carry; ``slot_alpha[(i, s)]`` the scale of the gradient arriving in slot ``s``
+of node ``i``. The factor applied on an edge is given by :func:`edge_shift`, which both the update
+run (as it decides) and the replay (from a saved plan) use.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import zip_longest
+from typing import Any
+
+import torch
+
+from gs_lightning.scaling.graph import LEAF, AutogradGraph, Slot
+
+
+def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: int, slot_alpha: dict[Slot, int], deferred: frozenset[int]) -> int:
+    """log2 of the factor a gradient sent with scale ``2^alpha`` gets on ``edge``.
+
+    * into a leaf: ``-alpha`` (unscaled in the leaf's own precision before autograd accumulates
+      it), unless the leaf is in ``deferred``: its ``.grad`` is then unscaled after the backward,
+      with every other deferred leaf, in one fused kernel per device and dtype;
+    * into a branch (a slot fed by several edges): to the branch's common scale;
+    * anywhere else: unchanged.
+    """
+    if edge is None:
+        return 0
+    if graph.names[edge[0]] == LEAF:
+        return 0 if edge[0] in deferred else -alpha
+    if graph.in_counts[edge] > 1:
+        return slot_alpha[edge] - alpha
+    return 0
+
+
+def times_pow2(grad: torch.Tensor | None, exponent: int) -> torch.Tensor | None:
+    """``grad · 2^exponent`` (exact in binary floating point, barring under/overflow)."""
+    return grad * (2.0**exponent) if exponent and grad is not None else grad
+
+
+def _scale_grad_outputs(factors: tuple[float | None, ...], grad_outputs: tuple) -> tuple:
+    """Node pre-hook between updates: constant factors per incoming slot."""
+    return tuple(g if f is None or g is None else g * f for g, f in zip_longest(grad_outputs, factors))
+
+
+def _scale_grad_inputs(factors: tuple[float | None, ...], grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """Node post-hook between updates: constant factors per outgoing edge."""
+    return tuple(g if f is None or g is None else g * f for g, f in zip(grad_inputs, factors))
+
+
+@dataclass
+class ScalePlan:
+    """Every scale decided on the last update iteration, for one graph structure."""
+
+    names: tuple[str, ...]
+    edges: tuple[tuple[Slot | None, ...], ...]
+    alpha_out: dict[int, int]
+    slot_alpha: dict[Slot, int]
+    _hooks: dict[frozenset[int], list[tuple[int, tuple | None, tuple | None]]] = field(default_factory=dict, repr=False)
+
+    def matches(self, graph: AutogradGraph) -> bool:
+        """Whether ``graph`` has the structure this plan was decided for."""
+        return graph.same_structure(self.names, self.edges)
+
+    def replay(self, graph: AutogradGraph, deferred: frozenset[int]) -> list:
+        """Register the constant-factor hooks of this plan on ``graph``; returns their handles."""
+        handles = []
+        for i, pre, post in self._hook_factors(graph, deferred):
+            node = graph.nodes[i]
+            if pre is not None:
+                handles.append(node.register_prehook(partial(_scale_grad_outputs, pre)))
+            if post is not None:
+                handles.append(node.register_hook(partial(_scale_grad_inputs, post)))
+        return handles
+
+    def _hook_factors(self, graph: AutogradGraph, deferred: frozenset[int]) -> list[tuple[int, tuple | None, tuple | None]]:
+        """(node, pre-hook factors, post-hook factors) for the nodes whose gradients change."""
+        hooks = self._hooks.get(deferred)
+        if hooks is not None:
+            return hooks
+        slots_of: dict[int, list[int]] = defaultdict(list)
+        for j, s in self.slot_alpha:
+            slots_of[j].append(s)
+        hooks = []
+        for i, edges in enumerate(graph.edges):
+            alpha = self.alpha_out.get(i)
+            if alpha is None or graph.names[i] == LEAF:
+                continue
+            pre: list[float | None] = [None] * (max(slots_of[i], default=-1) + 1)
+            for s in slots_of[i]:
+                shift = alpha - self.slot_alpha[(i, s)]
+                pre[s] = 2.0**shift if shift else None
+            post = [edge_shift(graph, edge, alpha, self.slot_alpha, deferred) for edge in edges]
+            pre_t = tuple(pre) if any(f is not None for f in pre) else None
+            post_t = tuple(2.0**s if s else None for s in post) if any(post) else None
+            if pre_t or post_t:
+                hooks.append((i, pre_t, post_t))
+        self._hooks[deferred] = hooks
+        return hooks
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain containers only (checkpoints are loaded with ``weights_only=True``)."""
+        return {
+            "names": list(self.names),
+            "edges": [[list(e) if e is not None else None for e in edges] for edges in self.edges],
+            "alpha_out": sorted(self.alpha_out.items()),
+            "slot_alpha": sorted((j, s, a) for (j, s), a in self.slot_alpha.items()),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> ScalePlan:
+        """Rebuild a plan saved by :meth:`state_dict`."""
+        return cls(
+            names=tuple(state["names"]),
+            edges=tuple(tuple(tuple(e) if e is not None else None for e in edges) for edges in state["edges"]),
+            alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
+            slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
+        )

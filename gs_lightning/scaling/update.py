@@ -1,0 +1,280 @@
+"""One update iteration: Algorithm 1 decided node by node, in hooks, as autograd runs the backward.
+
+Each decision reads a few statistics of the gradient at hand (the update iteration's only
+host-device synchronisations). What the run decides becomes a :class:`~gs_lightning.scaling.plan.ScalePlan`
+that the iterations in between replay as constant factors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from gs_lightning.scaling.graph import GEMM_OPERANDS, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.plan import ScalePlan, edge_shift, times_pow2
+from gs_lightning.scaling.underflow import (
+    branch_log2_scale,
+    cast_min_log2_scale,
+    cast_underflow_rate,
+    choose_log2_scale,
+    gemm_min_log2_scale,
+    gemm_sigma,
+    gemm_underflow_rate,
+    overflow_max_log2_scale,
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What an update run needs from the scaler, fixed for the run.
+
+    Attributes:
+        underflow_rate: γ', the target underflow rate.
+        lambda_min: λmin of the underflow model.
+        lambda_max: λmax, the format's largest finite value.
+        relu_factor: Multiplies the accumulation length of Lemma 1.
+        layer_cap: log2 cap on each local scale, or ``None``.
+        total_cap: log2 cap on each accumulated scale (user cap and back-off), or ``None``.
+    """
+
+    underflow_rate: float
+    lambda_min: float
+    lambda_max: float
+    relu_factor: float
+    layer_cap: int | None
+    total_cap: int | None
+
+
+@dataclass(frozen=True)
+class LayerScale:
+    """What the last update chose for one decision point of the backward graph.
+
+    Attributes:
+        name: Layer name (qualified module name where known, ``".cast"`` appended for casts).
+        kind: ``"gemm"``, ``"cast"``, ``"unscaled"`` (brought back to scale 1: reentrant
+            checkpointing) or ``"opaque"`` (passed through unscaled: a custom Function or a compiled
+            region).
+        log2_scale: log2 of the local scale β.
+        log2_total: log2 of the accumulated scale its outgoing gradients carry.
+        underflow_rate: The estimated underflow rate of its output at that scale (NaN where no
+            model applies).
+    """
+
+    name: str
+    kind: str
+    log2_scale: int
+    log2_total: int
+    underflow_rate: float
+
+
+def stats(*values: torch.Tensor) -> list[float]:
+    """Statistics to the host in one synchronisation."""
+    return torch.stack([v.float() for v in values]).tolist()
+
+
+def rms(t: torch.Tensor) -> torch.Tensor:
+    """Root mean square, accumulated in fp32."""
+    return torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(max(t.numel(), 1))
+
+
+def absmax(t: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude, in fp32."""
+    return torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32)
+
+
+Warn = Callable[[str, str], None]
+
+
+class UpdateRun:
+    """Hooks of one update iteration on one graph; afterwards, what they decided.
+
+    Args:
+        graph: The walked backward graph.
+        analysis: Its node classification.
+        settings: Targets, ranges and caps.
+        deferred: Leaves whose gradients the scaler unscales after the backward.
+        warn: ``warn(key, message)``, called at most once per key by the scaler.
+    """
+
+    def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, deferred: frozenset[int], warn: Warn) -> None:
+        self.graph = graph
+        self.analysis = analysis
+        self.settings = settings
+        self.deferred = deferred
+        self._warn = warn
+        self.alpha_out: dict[int, int] = {}
+        self.slot_alpha: dict[Slot, int] = {(0, 0): 0}
+        self.layers: list[LayerScale] = []
+        self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
+        self._arrived: dict[Slot, int] = defaultdict(int)
+        self._finite_flags: list[tuple[str, torch.Tensor]] = []
+
+    def register(self) -> list:
+        """Register the run's hooks on the graph; returns their handles."""
+        a = self.analysis
+        decides = a.gemms.keys() | a.casts | a.merge_nodes | a.unscaling | a.opaque
+        handles = []
+        for i, node in enumerate(self.graph.nodes):
+            if i in a.leaves:
+                continue
+            if i in decides:
+                handles.append(node.register_prehook(partial(self._pre, i)))
+            if any(e is not None for e in self.graph.edges[i]):
+                handles.append(node.register_hook(partial(self._post, i)))
+        return handles
+
+    def plan(self) -> ScalePlan:
+        """The decided scales, to replay on the iterations until the next update."""
+        return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha))
+
+    def first_non_finite(self) -> str | None:
+        """The first layer, in backward order, whose incoming or weight gradient was non-finite."""
+        if not self._finite_flags:
+            return None
+        finite = torch.stack([flag for _, flag in self._finite_flags]).tolist()
+        return next((name for (name, _), ok in zip(self._finite_flags, finite) if not ok), None)
+
+    # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
+    def _pre(self, i: int, grad_outputs: tuple) -> tuple:
+        a = self.analysis
+        present = [(s, g) for s, g in enumerate(grad_outputs) if g is not None]
+        parts = [(g, self.slot_alpha.get((i, s), 0)) for s, g in present]
+        alpha = self._common(parts) if parts else 0
+        grads = list(grad_outputs)
+        for (s, g), (_, a_s) in zip(present, parts):
+            grads[s] = times_pow2(g, alpha - a_s)
+        beta = 0
+        if present and i in a.layer_names:
+            grad = grads[present[0][0]]
+            self._finite_flags.append((a.layer_names[i], torch.isfinite(absmax(grad))))
+            beta = self._decide(i, grad, alpha)
+            grads = [times_pow2(g, beta) for g in grads]
+        self.alpha_out[i] = alpha + beta
+        return tuple(grads)
+
+    def _decide(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+        a, name = self.analysis, self.analysis.layer_names[i]
+        if i in a.unscaling:
+            self.layers.append(LayerScale(name, "unscaled", -alpha, 0, math.nan))
+            return -alpha
+        if i in a.opaque:
+            self.layers.append(LayerScale(name, "opaque", 0, alpha, math.nan))
+            return 0
+        try:
+            return self._gemm_scale(i, grad, alpha) if i in a.gemms else self._cast_scale(i, grad, alpha)
+        except Exception as error:  # never crash training: this node passes its scale through
+            node_type = self.graph.names[i]
+            self._warn(
+                f"stats:{node_type}",
+                f"GradientScaler: could not compute a scale at {node_type} ({error!r}); its gradients pass through unscaled.",
+            )
+            return 0
+
+    # Post-hook: unscale what reaches a leaf, gather what meets at a branch, pass the rest on.
+    def _post(self, i: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        alpha = self.alpha_out.get(i)
+        if alpha is None:
+            (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
+            alpha = self.alpha_out[i] = self.slot_alpha.get((i, slot), 0)
+        out = list(grad_inputs)
+        for k, edge in enumerate(self.graph.edges[i]):
+            if edge is None:
+                continue
+            if edge[0] in self.analysis.leaves:
+                out[k] = times_pow2(out[k], edge_shift(self.graph, edge, alpha, self.slot_alpha, self.deferred))
+                if out[k] is not None and i in self.analysis.gemms:
+                    self._finite_flags.append((self.analysis.layer_names[i], torch.isfinite(absmax(out[k]))))
+            elif edge in self.analysis.branch_slots:
+                out[k] = self._arrive(edge, out[k], alpha)
+            else:
+                self.slot_alpha[edge] = alpha
+        return tuple(out)
+
+    def _arrive(self, slot: Slot, grad: torch.Tensor | None, alpha: int) -> torch.Tensor | None:
+        """Keep a branch contribution aside; the last one applies the common scale and sends the sum."""
+        self._arrived[slot] += 1
+        if grad is not None:
+            self._stash[slot].append((grad, alpha))
+        if self._arrived[slot] < self.graph.in_counts[slot]:
+            return None
+        parts = self._stash.pop(slot, [])
+        common = self.slot_alpha[slot] = self._common(parts) if parts else alpha
+        total = None
+        for grad, a in parts:  # in arrival order, as autograd itself would sum them
+            term = times_pow2(grad, common - a)
+            total = term if total is None else total + term
+        return total
+
+    def _common(self, parts: list[tuple[torch.Tensor, int]]) -> int:
+        """Algorithm 1, line 17: one scale for gradients that carry different ones."""
+        alphas = [a for _, a in parts]
+        if len(set(alphas)) == 1:
+            return alphas[0]
+        maxima = stats(*(absmax(g) for g, _ in parts))
+        largest = max(m * 2.0**-a for m, a in zip(maxima, alphas))
+        return self._capped(branch_log2_scale(alphas, largest, self.settings.lambda_max))
+
+    def _capped(self, exponent: int) -> int:
+        cap = self.settings.total_cap
+        return exponent if cap is None else min(exponent, cap)
+
+    def _ceiling(self, alpha: int) -> int | None:
+        s = self.settings
+        caps = [c for c in (s.layer_cap, None if s.total_cap is None else s.total_cap - alpha) if c is not None]
+        return min(caps) if caps else None
+
+    def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+        s, name = self.settings, self.graph.names[i]
+        operand_of = GEMM_OPERANDS[name]
+        operands = [operand_of[k](self.graph, i, grad) for k in self.analysis.gemms[i]]
+        operands = [op for op in operands if op.operand is not None]
+        if not operands:  # the first layer (no activation gradient leaves it), or operands unreadable
+            return 0
+        node = self.graph.nodes[i]
+        weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else []
+        grad_rms, grad_max, *values = stats(
+            rms(grad), absmax(grad), *(f(op.operand) for op in operands for f in (rms, absmax)), *weight_bounds
+        )
+        operand_stats, weight_stats = values[: 2 * len(operands)], values[2 * len(operands) :]
+        sigmas = [
+            gemm_sigma(s.relu_factor * op.accumulation_length, grad_rms, operand_stats[2 * k])
+            for k, op in enumerate(operands)
+        ]
+        lower = max(gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate) for sigma in sigmas)
+        upper = min(
+            [overflow_max_log2_scale(grad_max, s.lambda_max)]
+            + [
+                overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * k + 1], s.lambda_max)
+                for k, op in enumerate(operands)
+            ]
+            + [overflow_max_log2_scale(bound, s.lambda_max) for bound in weight_stats]
+        )
+        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
+        rate = max(gemm_underflow_rate(beta, sigma, s.lambda_min) for sigma in sigmas)
+        self.layers.append(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate))
+        return beta
+
+    def _cast_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+        s = self.settings
+        magnitude = grad.detach().abs().float()
+        nonzero = magnitude > 0
+        count = nonzero.sum()
+        logs = torch.where(nonzero, magnitude.log(), 0.0)
+        mean = logs.sum() / count.clamp(min=1)
+        var = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)
+        n, log_mean, log_var, largest = stats(count, mean, var, magnitude.max())
+        if n < 2:
+            self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", 0, alpha, 0.0))
+            return 0
+        log_std = math.sqrt(log_var)
+        lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
+        upper = overflow_max_log2_scale(largest, s.lambda_max)
+        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
+        rate = cast_underflow_rate(beta, log_mean, log_std, s.lambda_min)
+        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate))
+        return beta

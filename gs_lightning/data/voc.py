@@ -1,4 +1,4 @@
-"""PASCAL VOC detection data for SSD: dataset, SSD augmentation, a synthetic generator and a DataModule.
+"""PASCAL VOC detection data for SSD: dataset, SSD augmentation and a DataModule.
 
 Layout (the official VOCdevkit tarballs)::
 
@@ -26,26 +26,22 @@ differing from the XML) raises :class:`~gs_lightning.data.errors.DatasetError`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from gs_lightning.data._common import make_loader
+from gs_lightning.data.base import ImageDataModule
 from gs_lightning.data.errors import DatasetError
 
 __all__ = [
@@ -57,7 +53,6 @@ __all__ = [
     "collate_detection",
     "ssd_eval_transforms",
     "ssd_train_transforms",
-    "write_synthetic_voc",
 ]
 
 logger = logging.getLogger(__name__)
@@ -288,91 +283,8 @@ def collate_detection(batch: Sequence[tuple[Tensor, dict[str, Tensor]]]) -> tupl
     return images, [target for _, target in batch]
 
 
-def write_synthetic_voc(
-    root: str | os.PathLike[str],
-    years: Sequence[str] = ("2007",),
-    n_trainval: int = 8,
-    n_test: int = 4,
-    size: tuple[int, int] = (64, 80),
-    seed: int = 0,
-) -> Path:
-    """Write a tiny seeded VOC-style dataset in the real VOCdevkit layout; return ``root``.
 
-    Each year gets ``n_trainval`` + ``n_test`` JPEGs of ``size`` = (height, width) with 1-3
-    solid rectangles (one colour per class, 4 classes) on noise, their Pascal VOC XML (the first
-    object of an image never difficult, later ones difficult with probability 0.3) and
-    ``ImageSets/Main/{trainval,test}.txt``. Idempotent: a marker file records the arguments and a
-    second call with the same ones writes nothing.
-    """
-    root = Path(root)
-    devkit = root / "VOCdevkit"
-    params = {"years": list(years), "n_trainval": n_trainval, "n_test": n_test, "size": list(size), "seed": seed}
-    marker = devkit / ".synthetic_voc.json"
-    if marker.is_file() and json.loads(marker.read_text()) == params:
-        return root
-
-    rng = random.Random(seed)
-    height, width = size
-    classes = VOC_CLASSES[:4]
-    colours = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 200, 30)]
-    for year in years:
-        year_dir = devkit / f"VOC{year}"
-        for sub in ("Annotations", "JPEGImages", "ImageSets/Main"):
-            (year_dir / sub).mkdir(parents=True, exist_ok=True)
-        counter = 0
-        for split, count in (("trainval", n_trainval), ("test", n_test)):
-            ids = []
-            for _ in range(count):
-                counter += 1
-                image_id = f"{counter:06d}" if year == "2007" else f"{year}_{counter:06d}"
-                ids.append(image_id)
-                noise = np.random.default_rng(rng.getrandbits(32)).integers(90, 160, (height, width, 1), np.uint8)
-                pixels = noise.repeat(3, axis=2)
-                objects = []
-                for k in range(rng.randint(1, 3)):
-                    cls = rng.randrange(len(classes))
-                    box_w = rng.randint(max(2, width // 5), max(3, width // 2))
-                    box_h = rng.randint(max(2, height // 5), max(3, height // 2))
-                    x0, y0 = rng.randrange(0, width - box_w + 1), rng.randrange(0, height - box_h + 1)
-                    pixels[y0 : y0 + box_h, x0 : x0 + box_w] = colours[cls]
-                    difficult = k > 0 and rng.random() < 0.3
-                    # VOC XML boxes are 1-based inclusive.
-                    objects.append((classes[cls], difficult, (x0 + 1, y0 + 1, x0 + box_w, y0 + box_h)))
-                Image.fromarray(pixels).save(year_dir / "JPEGImages" / f"{image_id}.jpg", quality=95)
-                _write_voc_xml(year_dir / "Annotations" / f"{image_id}.xml", f"VOC{year}", image_id, size, objects)
-            (year_dir / "ImageSets" / "Main" / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
-    marker.write_text(json.dumps(params))
-    return root
-
-
-def _write_voc_xml(
-    path: Path,
-    folder: str,
-    image_id: str,
-    size: tuple[int, int],
-    objects: list[tuple[str, bool, tuple[int, int, int, int]]],
-) -> None:
-    anno = ET.Element("annotation")
-    ET.SubElement(anno, "folder").text = folder
-    ET.SubElement(anno, "filename").text = f"{image_id}.jpg"
-    size_el = ET.SubElement(anno, "size")
-    for tag, value in (("width", size[1]), ("height", size[0]), ("depth", 3)):
-        ET.SubElement(size_el, tag).text = str(value)
-    ET.SubElement(anno, "segmented").text = "0"
-    for name, difficult, box in objects:
-        obj = ET.SubElement(anno, "object")
-        ET.SubElement(obj, "name").text = name
-        ET.SubElement(obj, "pose").text = "Unspecified"
-        ET.SubElement(obj, "truncated").text = "0"
-        ET.SubElement(obj, "difficult").text = str(int(difficult))
-        bndbox = ET.SubElement(obj, "bndbox")
-        for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), box):
-            ET.SubElement(bndbox, tag).text = str(value)
-    ET.indent(anno)
-    ET.ElementTree(anno).write(path)
-
-
-class VOCDataModule(L.LightningDataModule):
+class VOCDataModule(ImageDataModule):
     """VOC detection DataModule for SSD: train on ``train_splits``, validate and test on ``test_split``.
 
     Batches are ``(images [B, 3, S, S], targets)`` (:func:`collate_detection`). Training uses
@@ -387,9 +299,11 @@ class VOCDataModule(L.LightningDataModule):
         train_splits: ``(year, split)`` pairs; ``None`` means VOC2007+2012 trainval, or with
             ``synthetic`` the trainval split of each generated year.
         test_split: ``(year, split)`` used for validation and test.
-        synthetic: keyword arguments of :func:`write_synthetic_voc`; when given, ``prepare_data``
-            writes that synthetic dataset under ``root`` first (tests, smoke runs).
+        synthetic: keyword arguments of :func:`~gs_lightning.data.synthetic.write_synthetic_voc`;
+            when given, ``prepare_data`` writes that generated dataset under ``root`` first.
     """
+
+    collate_fn = staticmethod(collate_detection)
 
     def __init__(
         self,
@@ -401,47 +315,36 @@ class VOCDataModule(L.LightningDataModule):
         test_split: tuple[str, str] = ("2007", "test"),
         synthetic: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        self.root = Path(root)
+        super().__init__(root, batch_size, num_workers, synthetic)
         self.size = size
-        self.batch_size = batch_size
-        self.num_workers = num_workers
         if train_splits is None:
             years = (synthetic or {}).get("years", ("2007",))
             train_splits = [(str(y), "trainval") for y in years] if synthetic is not None else _DEFAULT_TRAIN_SPLITS
         self.train_splits = [tuple(s) for s in train_splits]
         self.test_split = tuple(test_split)
-        self.synthetic = synthetic
         self.train_set: VOCDetection | None = None
         self.eval_set: VOCDetection | None = None
 
-    def prepare_data(self) -> None:
-        """Write the synthetic dataset if requested (runs on one process only)."""
-        if self.synthetic is not None:
-            write_synthetic_voc(self.root, **self.synthetic)
+    @staticmethod
+    def synthetic_writer() -> Callable[..., Path]:
+        """:func:`~gs_lightning.data.synthetic.write_synthetic_voc`."""
+        # Imported here: gs_lightning.data.synthetic imports this module's constants.
+        from gs_lightning.data.synthetic import write_synthetic_voc
+
+        return write_synthetic_voc
 
     def setup(self, stage: str | None = None) -> None:
         """Build the training set for ``fit`` and the VOC07-test set for every stage that evaluates."""
-        if stage in ("fit", None) and self.train_set is None:
-            self.train_set = VOCDetection(self.root, self.train_splits, ssd_train_transforms(self.size))
+        if stage in ("fit", None):
+            self.dataset("train")
+        self.dataset("test")
+
+    def dataset(self, split: str) -> VOCDetection:
+        """``train_splits`` with SSD augmentation for ``"train"``; ``test_split`` for ``"val"`` and ``"test"``."""
+        if split == "train":
+            if self.train_set is None:
+                self.train_set = VOCDetection(self.root, self.train_splits, ssd_train_transforms(self.size))
+            return self.train_set
         if self.eval_set is None:
-            self.eval_set = VOCDetection(
-                self.root, [self.test_split], ssd_eval_transforms(self.size), keep_difficult=True
-            )
-
-    def _loader(self, dataset: VOCDetection | None, shuffle: bool) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError("VOCDataModule.setup() has not built this dataset yet")
-        return make_loader(dataset, self.batch_size, self.num_workers, shuffle, collate_detection)
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches."""
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        """VOC07-test batches, difficult objects flagged."""
-        return self._loader(self.eval_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        """Same as :meth:`val_dataloader`."""
-        return self._loader(self.eval_set, shuffle=False)
+            self.eval_set = VOCDetection(self.root, [self.test_split], ssd_eval_transforms(self.size), keep_difficult=True)
+        return self.eval_set

@@ -1,0 +1,134 @@
+"""What every DataModule here shares: a root, batch size and workers checked on construction, an
+optional generated dataset written by ``prepare_data``, and loaders whose shuffling and worker
+seeds depend only on ``(seed, epoch)``, so that a run resumed at an epoch boundary draws exactly
+the batches of an uninterrupted one."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sized
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+
+class EpochShuffleSampler(RandomSampler):
+    """A random order that depends only on ``(seed, epoch)``, as ``DistributedSampler`` on one process.
+
+    Lightning calls :meth:`set_epoch` at the start of every epoch (and replaces this sampler by a
+    ``DistributedSampler`` with the same seed under DDP). The DataLoader draws its base seed, which
+    seeds the workers' random augmentation, from the same :attr:`generator` just before the order.
+
+    Args:
+        data_source: the dataset to shuffle.
+        seed: base seed; Lightning's ``seed_everything`` seed by default (``PL_GLOBAL_SEED``), as
+            Lightning's own ``DistributedSampler``.
+    """
+
+    generator: torch.Generator
+
+    def __init__(self, data_source: Sized, seed: int | None = None) -> None:
+        super().__init__(data_source, generator=torch.Generator())
+        self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the order (and the workers' seeds) of epoch ``epoch``."""
+        self.generator.manual_seed(self.seed + epoch)
+
+
+def check_keywords(function: Callable[..., Any], given: Mapping[str, Any], what: str) -> None:
+    """Raise a ValueError naming each key of ``given`` that ``function`` does not take, and the valid ones."""
+    parameters = list(inspect.signature(function).parameters)[1:]  # the first is the root folder
+    unknown = sorted(set(given) - set(parameters))
+    if unknown:
+        raise ValueError(f"{what} has unknown key(s) {unknown}; valid keys: {', '.join(parameters)}")
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Base of the DataModules: root, batch size, workers, optional generated data, the loaders.
+
+    Subclasses build their datasets in :meth:`dataset` and name the generator of their format in
+    :meth:`synthetic_writer`; a ``collate_fn`` class attribute batches items that do not stack.
+
+    Args:
+        root: dataset root folder.
+        batch_size: samples per device and step (at least 1).
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        synthetic: keyword arguments of the format's generator (:mod:`gs_lightning.data.synthetic`);
+            when given, :meth:`prepare_data` writes that generated dataset into ``root`` unless it is
+            already there.
+
+    Raises:
+        ValueError: ``batch_size`` or ``num_workers`` out of range, or an unknown ``synthetic`` key.
+    """
+
+    collate_fn: Callable[[list], Any] | None = None
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        batch_size: int,
+        num_workers: int,
+        synthetic: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        # The subclass's arguments too (Lightning reads the calling __init__ frames): plain values, so
+        # that checkpoints load with torch's weights_only=True.
+        self.save_hyperparameters()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number >= 1 (samples per device and step), got {batch_size!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be a whole number >= 0 (0 loads in the main process), got {num_workers!r}")
+        if synthetic is not None:
+            check_keywords(self.synthetic_writer(), synthetic, "synthetic")
+        self.root = Path(root)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.synthetic = dict(synthetic) if synthetic is not None else None
+
+    @staticmethod
+    def synthetic_writer() -> Callable[..., Path]:
+        """The function that writes a generated dataset of this format: ``writer(root, **synthetic)``."""
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        """Write the generated dataset into ``root`` when configured and not there yet."""
+        if self.synthetic is not None:
+            self.synthetic_writer()(self.root, **self.synthetic)
+
+    def dataset(self, split: str) -> Dataset:
+        """The dataset of ``split`` (``"train"``, ``"val"`` or ``"test"``), with its transforms."""
+        raise NotImplementedError
+
+    def _loader(self, split: str) -> DataLoader:
+        dataset = self.dataset(split)
+        train = split == "train"
+        sampler = EpochShuffleSampler(dataset) if train else None
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            generator=sampler.generator if sampler is not None else None,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            pin_memory=torch.cuda.is_available(),
+            # Training workers start afresh each epoch, seeded from (seed, epoch); evaluation has no randomness.
+            persistent_workers=self.num_workers > 0 and not train,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches, in an order fixed by ``(seed, epoch)``."""
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in file order."""
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches in file order."""
+        return self._loader("test")

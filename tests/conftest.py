@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
@@ -93,3 +94,9 @@ def make_trainer(
         callbacks=list(callbacks),
         **kwargs,
     )
+
+
+@pytest.fixture(params=["lightning.pytorch", "pytorch_lightning"])
+def lightning_package(request: pytest.FixtureRequest) -> str:
+    """Each Lightning Trainer package in turn: gs_lightning's plugins must work in both."""
+    return request.param

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import warnings
+from importlib import import_module
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from conftest import DATA, Classifier, loader
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning_packages import make_trainer, on_package
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,39 +37,6 @@ PLUGINS = {
     "fp16": FP16Plugin,
 }
 
-_G = torch.Generator().manual_seed(0)
-DATA = TensorDataset(torch.randn(32, 8, generator=_G), torch.randint(0, 4, (32,), generator=_G))
-
-
-def loader(batch_size: int = 4) -> DataLoader:
-    return DataLoader(DATA, batch_size=batch_size)
-
-
-class Classifier(L.LightningModule):
-    """Two Linear layers, SGD with momentum and a per-step StepLR; the loss becomes inf at ``inf_steps``."""
-
-    def __init__(self, inf_steps: tuple[int, ...] = (), optimizer: str = "sgd") -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-        self.inf_steps = inf_steps
-        self.optimizer = optimizer
-        self.output_dtypes: set[torch.dtype] = set()
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        out = self.net(x)
-        self.output_dtypes.add(out.dtype)
-        loss = F.cross_entropy(out, y)
-        return loss * float("inf") if self.global_step in self.inf_steps else loss
-
-    def configure_optimizers(self) -> dict:
-        if self.optimizer == "adam":
-            opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-        else:
-            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
 
 class WeightWatch(Callback):
     """Asserts that the weights stay finite after every batch, and keeps them per step."""
@@ -84,35 +54,32 @@ class WeightWatch(Callback):
         self.after[batch_idx] = params
 
 
-def trainer(plugin, max_steps: int, callbacks=(), **kwargs) -> L.Trainer:
-    """A CPU Trainer that also checks, after every batch, that no NaN or inf reached the weights."""
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        plugins=[plugin],
-        callbacks=[*callbacks, WeightWatch()],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+def trainer(package: str, plugin, max_steps: int, callbacks=(), **kwargs):
+    """A quiet CPU Trainer of ``package`` that also checks, after every batch, that no NaN or inf reached the weights."""
+    return make_trainer(package, plugin, max_steps, callbacks=[*callbacks, WeightWatch()], **kwargs)
 
 
-def test_plugins_are_one_family_exported_from_the_root() -> None:
-    for make in PLUGINS.values():
-        plugin = make()
-        assert isinstance(plugin, FP16MixedPrecision)
-        assert plugin.precision == "16-mixed"
+def classifier(package: str, **kwargs) -> L.LightningModule:
+    """conftest's Classifier, as a LightningModule of ``package``."""
+    return on_package(Classifier, package)(**kwargs)
 
 
 @pytest.mark.parametrize("name", list(PLUGINS))
-def test_fit_runs_fp16_autocast_and_trains(name: str) -> None:
+def test_root_plugins_are_accepted_by_each_trainer(name: str, lightning_package: str) -> None:
+    """``from gs_lightning import ...Plugin`` goes into either package's Trainer (pytorch_lightning's used to
+    reject it: "Found invalid type for plugin"), and becomes that Trainer's precision plugin."""
+    plugin = PLUGINS[name]()
+    fit = import_module(lightning_package).Trainer(accelerator="cpu", plugins=[plugin], logger=False)
+    assert fit.precision_plugin is plugin
+    assert fit.precision == "16-mixed"
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_fit_runs_fp16_autocast_and_trains(name: str, lightning_package: str) -> None:
     torch.manual_seed(0)
-    model, watch = Classifier(), WeightWatch()
+    model, watch = classifier(lightning_package), WeightWatch()
     initial = [p.detach().clone() for p in model.parameters()]
-    trainer(PLUGINS[name](), max_steps=4, callbacks=[watch]).fit(model, loader())
+    trainer(lightning_package, PLUGINS[name](), max_steps=4, callbacks=[watch]).fit(model, loader())
     assert model.output_dtypes == {torch.float16}
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
     assert not any(torch.equal(a, b) for a, b in zip(initial, model.parameters()))
@@ -120,11 +87,11 @@ def test_fit_runs_fp16_autocast_and_trains(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(PLUGINS))
-def test_skipped_step_leaves_weights_and_schedulers_alone(name: str) -> None:
+def test_skipped_step_leaves_weights_and_schedulers_alone(name: str, lightning_package: str) -> None:
     """Steps 0 and 3 overflow: weights untouched, the scheduler does not advance, torch does not warn."""
     torch.manual_seed(0)
-    plugin, model, watch = PLUGINS[name](), Classifier(inf_steps=(0, 3)), WeightWatch()
-    fit = trainer(plugin, max_steps=6, callbacks=[watch])
+    plugin, model, watch = PLUGINS[name](), classifier(lightning_package, inf_steps=(0, 3)), WeightWatch()
+    fit = trainer(lightning_package, plugin, max_steps=6, callbacks=[watch])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(model, loader())
@@ -144,7 +111,8 @@ def test_skipped_step_leaves_weights_and_schedulers_alone(name: str) -> None:
 def test_lightning_mixed_precision_has_the_scheduler_flaw() -> None:
     """Control: the same run with Lightning's MixedPrecision advances the schedule and warns."""
     torch.manual_seed(0)
-    fit = trainer(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10)), max_steps=6)
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    fit = trainer("lightning.pytorch", plugin, max_steps=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(Classifier(inf_steps=(0, 3)), loader())
@@ -153,7 +121,7 @@ def test_lightning_mixed_precision_has_the_scheduler_flaw() -> None:
 
 
 @pytest.mark.parametrize("name", ["gradient_scaling", "dynamic_loss_scaling"])
-def test_resume_matches_uninterrupted_run(name: str, tmp_path) -> None:
+def test_resume_matches_uninterrupted_run(name: str, lightning_package: str, tmp_path) -> None:
     """4 steps, checkpoint, 4 more: same weights, optimizer, scheduler and scaler state as 8 straight steps.
 
     With update_interval=3 the resumed run crosses an update (iteration 6); step 5 overflows, so the
@@ -161,15 +129,15 @@ def test_resume_matches_uninterrupted_run(name: str, tmp_path) -> None:
     """
     half = DataLoader(TensorDataset(*DATA[:16]), batch_size=4)  # 4 batches: the checkpoint ends epoch 0
     L.seed_everything(0)
-    straight, plugin = Classifier(inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
-    trainer(plugin, max_steps=8, callbacks=[checkpoint], enable_checkpointing=True).fit(straight, half)
+    straight, plugin = classifier(lightning_package, inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
+    checkpoint = import_module(lightning_package).callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
+    trainer(lightning_package, plugin, max_steps=8, callbacks=[checkpoint], enable_checkpointing=True).fit(straight, half)
     saved = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)
     assert saved[type(plugin).__name__].keys() == plugin.state_dict().keys()  # the scaler's state is saved
 
     L.seed_everything(1)  # a different initialisation: everything must come from the checkpoint
-    resumed_model, resumed_plugin = Classifier(inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
-    resumed = trainer(resumed_plugin, max_steps=8, enable_checkpointing=True, default_root_dir=tmp_path / "resumed")
+    resumed_model, resumed_plugin = classifier(lightning_package, inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
+    resumed = trainer(lightning_package, resumed_plugin, max_steps=8, enable_checkpointing=True, default_root_dir=tmp_path / "resumed")
     resumed.fit(resumed_model, half, ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
 
     for (key, a), b in zip(straight.state_dict().items(), resumed_model.state_dict().values()):
@@ -211,11 +179,12 @@ class TwoOptimizers(L.LightningModule):
         return optimizers, [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in optimizers]
 
 
-def test_manual_optimization_with_two_optimizers() -> None:
+def test_manual_optimization_with_two_optimizers(lightning_package: str) -> None:
     """Batch 1's first backward overflows: only the encoder's step (and its scheduler) is skipped."""
     torch.manual_seed(0)
-    model, watch, plugin = TwoOptimizers(), WeightWatch(), GradientScalingPlugin(update_interval=2)
-    fit = trainer(plugin, max_steps=8, callbacks=[watch])  # global_step counts both optimizers' steps
+    model, watch = on_package(TwoOptimizers, lightning_package)(), WeightWatch()
+    plugin = GradientScalingPlugin(update_interval=2)
+    fit = trainer(lightning_package, plugin, max_steps=8, callbacks=[watch])  # global_step counts both optimizers' steps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(model, loader())
@@ -245,13 +214,14 @@ class GradientProbe(Callback):
         self.seen.append([p.grad.clone() for p in pl_module.parameters()])
 
 
-def test_accumulated_micro_batches_are_scaled_and_unscaled_on_their_own() -> None:
+def test_accumulated_micro_batches_are_scaled_and_unscaled_on_their_own(lightning_package: str) -> None:
     """accumulate_grad_batches=2: one scaler backward per micro-batch, and the accumulated gradient is
     plain fp16 autocast's (power-of-two scaling is exact away from underflow and overflow)."""
     torch.manual_seed(0)
-    model, probe, plugin = Classifier(), GradientProbe(), GradientScalingPlugin(update_interval=3)
+    model, probe = classifier(lightning_package), GradientProbe()
+    plugin = GradientScalingPlugin(update_interval=3)
     reference = copy.deepcopy(model)
-    trainer(plugin, max_steps=1, callbacks=[probe], accumulate_grad_batches=2).fit(model, loader())
+    trainer(lightning_package, plugin, max_steps=1, callbacks=[probe], accumulate_grad_batches=2).fit(model, loader())
     assert plugin.scaler.iteration == 2
     assert any(scale != 1.0 for scale in plugin.scaler.scales().values())  # scaling did happen
     for x, y in list(loader())[:2]:
@@ -265,10 +235,10 @@ def test_accumulated_micro_batches_are_scaled_and_unscaled_on_their_own() -> Non
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 @pytest.mark.parametrize("name", ["gradient_scaling", "dynamic_loss_scaling", "loss_scaling"])
-def test_clipping_sees_true_gradients(name: str, algorithm: str) -> None:
+def test_clipping_sees_true_gradients(name: str, algorithm: str, lightning_package: str) -> None:
     """Clipping at half the true gradient's norm (or largest value) leaves exactly half: it saw true values."""
     torch.manual_seed(0)
-    model = Classifier()
+    model = classifier(lightning_package)
     reference = copy.deepcopy(model)
     x, y = next(iter(loader()))
     with torch.autocast("cpu", dtype=torch.float16):
@@ -277,7 +247,7 @@ def test_clipping_sees_true_gradients(name: str, algorithm: str) -> None:
     measure = _norm if algorithm == "norm" else _largest
     clip = measure(grads) / 2
     probe = GradientProbe()
-    fit = trainer(PLUGINS[name](), max_steps=1, callbacks=[probe], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    fit = trainer(lightning_package, PLUGINS[name](), max_steps=1, callbacks=[probe], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
     fit.fit(model, loader())
     assert measure(probe.seen[0]) == pytest.approx(2 * clip, rel=1e-3)
     assert measure(probe.stepped[0]) == pytest.approx(clip, rel=1e-3)

@@ -1,4 +1,7 @@
-"""PyTorch Lightning integration: precision plugins for fp16 training and the scale-logging callback."""
+"""Lightning Trainer integration: fp16 precision plugins and the scale-logging callback.
+
+Works with ``lightning.pytorch`` and ``pytorch_lightning`` (whichever is installed, or both).
+"""
 
 from gs_lightning.lightning.callback import GradientScalingCallback
 from gs_lightning.lightning.plugins import (
@@ -7,8 +10,8 @@ from gs_lightning.lightning.plugins import (
     FP16Plugin,
     GradientScalingPlugin,
     LossScalingPlugin,
-    SkipAwareScheduler,
 )
+from gs_lightning.lightning.schedulers import SkipAwareScheduler
 
 __all__ = [
     "DynamicLossScalingPlugin",

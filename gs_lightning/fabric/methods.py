@@ -1,0 +1,229 @@
+"""The four ways the fp16 plugins scale gradients, each building a scaler with ``torch.amp.GradScaler``'s interface.
+
+A scaling method holds its options (checked when the plugin is made) and builds its scaler
+(``scale``, ``unscale_``, ``step``, ``update``, ``state_dict``, ``load_state_dict``) once the model
+is known. Both plugin families, Fabric's (:mod:`gs_lightning.fabric`) and the Trainer's
+(:mod:`gs_lightning.lightning`), combine one of these with their fp16 base class, as
+``GradientScalingPlugin(GradientScaling, FP16MixedPrecision)``; they live here, in the Fabric
+package, because Lightning's Trainer builds on Fabric too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gs_lightning.scaling import GradientScaler
+from gs_lightning.scaling.finite import unscale_and_check_
+
+
+class Scaler(Protocol):
+    """What the plugins call: ``torch.amp.GradScaler``'s interface."""
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    def unscale_(self, optimizer: Optimizer) -> None: ...
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any: ...
+
+    def update(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class FixedLossScaler:
+    """``torch.amp.GradScaler``'s interface with one loss scale that never changes.
+
+    ``unscale_`` divides the optimizer's gradients by the scale and checks them (one fused kernel per
+    device and dtype); ``step`` skips the optimizer's step if one was non-finite. As with
+    ``GradScaler``, ``unscale_`` may be called once per optimizer between two ``update()`` calls.
+
+    Args:
+        scale: The loss scale; 1 is plain fp16 with skipped non-finite steps.
+    """
+
+    def __init__(self, scale: float = 128.0) -> None:
+        if not scale > 0:
+            raise ValueError(f"{type(self).__name__}: scale must be positive, got {scale}")
+        self._scale = float(scale)
+        self._found_inf: dict[int, list[torch.Tensor]] = {}  # per optimizer unscaled since the last update
+        self._stepped: set[int] = set()
+
+    def get_scale(self) -> float:
+        """The loss scale."""
+        return self._scale
+
+    def is_enabled(self) -> bool:
+        """Always true (``GradScaler``'s interface)."""
+        return True
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``outputs`` multiplied by the loss scale."""
+        return outputs * self._scale
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """Divide the optimizer's gradients by the loss scale, in place, and note whether one is non-finite."""
+        if id(optimizer) in self._found_inf:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        grads = (param.grad for group in optimizer.param_groups for param in group["params"])
+        self._found_inf[id(optimizer)] = unscale_and_check_(grads, 1.0 / self._scale)
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless a gradient is non-finite (unscales first if not yet done)."""
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("step() has already been called since the last update().")
+        if id(optimizer) not in self._found_inf:
+            self.unscale_(optimizer)
+        self._stepped.add(id(optimizer))
+        if any(bool(flag.item()) for flag in self._found_inf[id(optimizer)]):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """End the iteration: every optimizer may be unscaled and stepped again."""
+        self._found_inf.clear()
+        self._stepped.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: a fixed scale has no state (it comes from the plugin's options)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore."""
+
+
+class _ScalingMethod:
+    """Options of one scaling method; ``_build_scaler`` makes its scaler once the model is known."""
+
+    def _build_scaler(self, module: nn.Module, device: str) -> Scaler:
+        raise NotImplementedError
+
+
+class GradientScaling(_ScalingMethod):
+    """fp16 with per-layer gradient scaling (Zhao et al., IJCAI 2020), through :class:`GradientScaler`.
+
+    Every backpropagated gradient gets its own power-of-two scale, and weight gradients are divided
+    by theirs before they accumulate, so ``.grad`` (and DDP's all-reduce, gradient accumulation and
+    clipping) only ever see true gradients. The scaler (``plugin.scaler``) names layers after the
+    model's modules: ``plugin.scaler.scales()`` for logging.
+
+    Args:
+        underflow_rate: γ', the target fraction of a gradient's elements that may underflow.
+        update_interval: Recompute the scales every this many backward passes.
+        lambda_min: ``"normal"`` or ``"subnormal"``: the λmin of the underflow model.
+        relu_factor: Multiplies the accumulation length in the model of a GEMM output.
+        max_layer_scale: Optional cap on each local scale.
+        max_total_scale: Optional cap on each accumulated scale.
+        device: Autocast device type; ``None`` follows the model.
+    """
+
+    def __init__(
+        self,
+        underflow_rate: float = 1e-3,
+        update_interval: int = 100,
+        lambda_min: Literal["normal", "subnormal"] = "normal",
+        relu_factor: float = 1.0,
+        max_layer_scale: float | None = None,
+        max_total_scale: float | None = None,
+        device: str | None = None,
+    ) -> None:
+        self._options = {
+            "underflow_rate": underflow_rate,
+            "update_interval": update_interval,
+            "lambda_min": lambda_min,
+            "relu_factor": relu_factor,
+            "max_layer_scale": max_layer_scale,
+            "max_total_scale": max_total_scale,
+        }
+        GradientScaler(**self._options)  # bad options fail here; the kept scaler needs the model's layer names
+        super().__init__(device)  # type: ignore[call-arg]  # the plugin's fp16 base class
+
+    @property
+    def scaler(self) -> GradientScaler:
+        """The :class:`GradientScaler` (built when the plugin meets the model)."""
+        return super().scaler  # type: ignore[misc]
+
+    def _build_scaler(self, module: nn.Module, device: str) -> GradientScaler:
+        return GradientScaler(module, dtype=torch.float16, **self._options)
+
+
+class DynamicLossScaling(_ScalingMethod):
+    """fp16 with dynamic loss scaling (the paper's Dyn-LS baseline), through ``torch.amp.GradScaler``.
+
+    The loss scale halves on every non-finite step and doubles after ``growth_interval`` finite ones.
+
+    Args:
+        init_scale: Initial loss scale.
+        growth_factor: Factor applied after ``growth_interval`` finite steps.
+        backoff_factor: Factor applied after a non-finite step.
+        growth_interval: Finite steps between growths.
+        device: Autocast device type; ``None`` follows the model.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        device: str | None = None,
+    ) -> None:
+        self._options = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+        }
+        torch.amp.GradScaler("cpu", **self._options)  # bad options fail here; the kept scaler needs the device
+        super().__init__(device)  # type: ignore[call-arg]
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The ``GradScaler`` (built when the plugin meets the model)."""
+        return super().scaler  # type: ignore[misc]
+
+    def _build_scaler(self, module: nn.Module, device: str) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(device, **self._options)
+
+
+class LossScaling(_ScalingMethod):
+    """fp16 with a fixed loss scale (the paper's Fixed-LS baseline), through :class:`FixedLossScaler`.
+
+    The loss is multiplied by ``scale`` before the backward; the optimizer's gradients are divided
+    by it afterwards, and the step is skipped if any of them is non-finite.
+
+    Args:
+        scale: The loss scale (the paper's default is 128).
+        device: Autocast device type; ``None`` follows the model.
+    """
+
+    def __init__(self, scale: float = 128.0, device: str | None = None) -> None:
+        FixedLossScaler(scale)  # bad options fail here, as for the other methods
+        self.scale = float(scale)
+        super().__init__(device)  # type: ignore[call-arg]
+
+    @property
+    def scaler(self) -> FixedLossScaler:
+        """The :class:`FixedLossScaler` (built when the plugin meets the model)."""
+        return super().scaler  # type: ignore[misc]
+
+    def _build_scaler(self, module: nn.Module, device: str) -> FixedLossScaler:
+        return FixedLossScaler(self.scale)
+
+
+class NoScaling(LossScaling):
+    """fp16 with no gradient scaling (a loss scale of 1): the baseline that underflows.
+
+    Non-finite steps are still skipped.
+
+    Args:
+        device: Autocast device type; ``None`` follows the model.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(scale=1.0, device=device)

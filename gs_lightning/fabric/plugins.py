@@ -1,0 +1,121 @@
+"""Lightning Fabric precision plugins: fp16 autocast, a scaling method, and steps skipped on non-finite gradients.
+
+``Fabric(plugins=[GradientScalingPlugin()])`` runs the forward under fp16 autocast,
+``fabric.backward(loss)`` through the plugin's scaler, and ``optimizer.step()`` only if the
+optimizer's gradients are finite. ``fabric.clip_gradients`` sees true gradients. The plugin is
+stateful: put it (or ``plugin.scaler``) in the state given to ``fabric.save`` / ``fabric.load``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.optim import LBFGS, Optimizer
+
+from gs_lightning.fabric.methods import DynamicLossScaling, GradientScaling, LossScaling, NoScaling, Scaler
+from gs_lightning.fabric.packages import FABRIC_PRECISIONS
+
+
+class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
+    """Base of the Fabric fp16 plugins, as Fabric's ``MixedPrecision("16-mixed")`` with the scaler of a scaling method.
+
+    The scaling method (:mod:`gs_lightning.fabric.methods`) builds the scaler for the first module
+    ``fabric.setup`` is given (its layers name the scales).
+    Float inputs are cast to fp16 and outputs back to the default dtype, as Fabric's own plugin does.
+
+    Args:
+        device: Device type for autocast (``"cuda"``, ``"cpu"``). ``None``: the device type of the
+            model's parameters at its first forward (after Fabric has moved it).
+    """
+
+    precision: Literal["16-mixed"] = "16-mixed"
+
+    def __init__(self, device: str | None = None) -> None:
+        self.device = device
+        self._module: nn.Module | None = None
+        self._scaler: Scaler | None = None
+
+    @property
+    def scaler(self) -> Scaler:
+        """The scaling method's scaler, built for the model set up with Fabric."""
+        if self._scaler is None:
+            self._scaler = self._build_scaler(self._set_up_module(), self._device_type())
+        return self._scaler
+
+    def _set_up_module(self) -> nn.Module:
+        if self._module is None:
+            raise RuntimeError(f"{type(self).__name__}: the scaler is built for the model; call fabric.setup(model) first.")
+        return self._module
+
+    def _device_type(self) -> str:
+        if self.device is not None:
+            return self.device
+        param = next(self._set_up_module().parameters(), None)
+        return param.device.type if param is not None else "cpu"
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Remember the first module set up: its layers name the scales."""
+        if self._module is None:
+            self._module = module
+        return module
+
+    def forward_context(self) -> AbstractContextManager:
+        """fp16 autocast on the model's device type."""
+        return torch.autocast(self._device_type(), dtype=torch.float16)
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_to_dtype(torch.float16), dtype=torch.Tensor)
+
+    def convert_output(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_to_dtype(torch.get_default_dtype()), dtype=torch.Tensor)
+
+    def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """``scaler.scale(tensor).backward()``: per-layer scaled with gradient scaling, the scaled loss's otherwise."""
+        super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step unless one of the optimizer's gradients is non-finite, then end the scaler's iteration."""
+        if isinstance(optimizer, LBFGS):
+            raise TypeError(f"{type(self).__name__} and the LBFGS optimizer are not compatible.")
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Bring ``.grad`` to true values before clipping (already true with gradient scaling)."""
+        self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (for ``fabric.save``)."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler's state (``fabric.load``); the model must be set up first."""
+        self.scaler.load_state_dict(state_dict)
+
+
+def _to_dtype(dtype: torch.dtype) -> Any:
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
+
+    return convert
+
+
+class GradientScalingPlugin(GradientScaling, FP16MixedPrecision):
+    __doc__ = GradientScaling.__doc__
+
+
+class DynamicLossScalingPlugin(DynamicLossScaling, FP16MixedPrecision):
+    __doc__ = DynamicLossScaling.__doc__
+
+
+class LossScalingPlugin(LossScaling, FP16MixedPrecision):
+    __doc__ = LossScaling.__doc__
+
+
+class FP16Plugin(NoScaling, FP16MixedPrecision):
+    __doc__ = NoScaling.__doc__

@@ -119,6 +119,8 @@ class GradientScaling(_ScalingMethod):
         relu_factor: Multiplies the accumulation length in the model of a GEMM output.
         max_layer_scale: Optional cap on each local scale.
         max_total_scale: Optional cap on each accumulated scale.
+        max_consecutive_skips: Stop with an error naming the first non-finite layer once more than
+            this many steps in a row were skipped (a diverged run); ``None`` never stops.
         device: Autocast device type; ``None`` follows the model.
     """
 
@@ -130,6 +132,7 @@ class GradientScaling(_ScalingMethod):
         relu_factor: float = 1.0,
         max_layer_scale: float | None = None,
         max_total_scale: float | None = None,
+        max_consecutive_skips: int | None = 100,
         device: str | None = None,
     ) -> None:
         self._options = {
@@ -139,6 +142,7 @@ class GradientScaling(_ScalingMethod):
             "relu_factor": relu_factor,
             "max_layer_scale": max_layer_scale,
             "max_total_scale": max_total_scale,
+            "max_consecutive_skips": max_consecutive_skips,
         }
         GradientScaler(**self._options)  # bad options fail here; the kept scaler needs the model's layer names
         super().__init__(device)  # type: ignore[call-arg]  # the plugin's fp16 base class

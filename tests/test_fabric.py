@@ -1,0 +1,127 @@
+"""The Fabric precision plugins in a hand-written Fabric loop (CPU, tiny Linear model), in both Fabric packages."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import loader
+from torch import nn
+
+from gs_lightning.fabric import DynamicLossScalingPlugin, FP16Plugin, GradientScalingPlugin, LossScalingPlugin
+
+PLUGINS = {
+    "gradient_scaling": lambda: GradientScalingPlugin(update_interval=3),
+    "dynamic_loss_scaling": lambda: DynamicLossScalingPlugin(init_scale=2.0**10, growth_interval=2),
+    "loss_scaling": lambda: LossScalingPlugin(scale=128),
+    "fp16": FP16Plugin,
+}
+
+
+@pytest.fixture(params=["lightning.fabric", "lightning_fabric"])
+def fabric_package(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def launch(package: str, plugin, model: nn.Module, lr: float = 0.1):
+    fabric = import_module(package).Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    return fabric, model, optimizer
+
+
+def train(fabric, model, optimizer, steps: int, inf_steps: tuple[int, ...] = ()) -> list[bool]:
+    """A Fabric loop; the loss is inf at ``inf_steps``. Returns, per step, whether the weights changed."""
+    changed = []
+    for step, (x, y) in zip(range(steps), loader()):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        fabric.backward(loss * float("inf") if step in inf_steps else loss)
+        optimizer.step()
+        changed.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        assert all(torch.isfinite(p).all() for p in model.parameters()), f"non-finite weights after step {step}"
+    return changed
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_fp16_forward_and_skipped_non_finite_steps(name: str, fabric_package: str) -> None:
+    """Autocast runs the layers in fp16; steps 1 and 3 overflow and leave the weights alone, the others train."""
+    plugin, model = PLUGINS[name](), net()
+    dtypes: set[torch.dtype] = set()
+    model[-1].register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
+    fabric, model, optimizer = launch(fabric_package, plugin, model)
+    assert fabric.strategy.precision is plugin
+    assert train(fabric, model, optimizer, steps=5, inf_steps=(1, 3)) == [True, False, True, False, True]
+    assert dtypes == {torch.float16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    if name == "gradient_scaling":
+        assert plugin.scaler.skipped_steps == 2
+
+
+def test_backward_is_scaled_per_layer_and_leaves_true_gradients(fabric_package: str) -> None:
+    """fabric.backward goes through the GradientScaler: scales other than 1 were chosen (and are there for
+    logging), yet .grad is plain fp16 autocast's (power-of-two scaling is exact away from under/overflow)."""
+    plugin, reference = GradientScalingPlugin(), net()
+    fabric, model, optimizer = launch(fabric_package, plugin, net())
+    x, y = next(iter(loader()))
+    fabric.backward(F.cross_entropy(model(x), y))
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.cross_entropy(reference(x), y).backward()
+    assert plugin.scaler.iteration == 1
+    assert "2" in plugin.scaler.scales()  # named after the model's layers (the last Linear)
+    assert any(scale != 1.0 for scale in plugin.scaler.scales().values())
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(param.grad, expected.grad)
+
+
+@pytest.mark.parametrize("name", ["gradient_scaling", "loss_scaling"])
+def test_clip_gradients_sees_true_gradients(name: str, fabric_package: str) -> None:
+    """fabric.clip_gradients at half the true norm leaves exactly half (Fabric unscales through the plugin)."""
+    reference = net()
+    x, y = next(iter(loader()))
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.cross_entropy(reference(x), y).backward()
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    fabric, model, optimizer = launch(fabric_package, PLUGINS[name](), net())
+    fabric.backward(F.cross_entropy(model(x), y))
+    assert fabric.clip_gradients(model, optimizer, max_norm=true_norm / 2).item() == pytest.approx(true_norm, rel=1e-3)
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert clipped == pytest.approx(true_norm / 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["gradient_scaling", "dynamic_loss_scaling"])
+def test_save_and_load_restore_the_scaler(name: str, fabric_package: str, tmp_path) -> None:
+    """The plugin in fabric.save's state: a fresh run loads the scaler's state and continues as the first one."""
+    plugin = PLUGINS[name]()
+    fabric, model, optimizer = launch(fabric_package, plugin, net())
+    train(fabric, model, optimizer, steps=4, inf_steps=(2,))
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer, "precision": plugin})
+    saved = plugin.state_dict()
+    train(fabric, model, optimizer, steps=3)
+
+    resumed_plugin = PLUGINS[name]()
+    # another initialisation: everything must come from the checkpoint
+    resumed, resumed_model, resumed_optimizer = launch(fabric_package, resumed_plugin, net(seed=1))
+    state = {"model": resumed_model, "optimizer": resumed_optimizer, "precision": resumed_plugin}
+    resumed.load(tmp_path / "state.ckpt", state)
+    assert _plain(resumed_plugin.state_dict()) == _plain(saved)
+    train(resumed, resumed_model, resumed_optimizer, steps=3)
+    assert _plain(resumed_plugin.state_dict()) == _plain(plugin.state_dict())
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _plain(state: dict) -> dict:
+    return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def test_scaler_needs_the_model_set_up_first() -> None:
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model\)"):
+        GradientScalingPlugin().scaler

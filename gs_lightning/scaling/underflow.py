@@ -190,3 +190,88 @@ def branch_log2_scale(incoming: list[int], largest_true_value: float, lambda_max
         if exponent < bound:
             return exponent
     return min(min(incoming), math.ceil(bound) - 1)
+
+
+# --- Model-free: order statistics of exact values ---------------------------------------------
+
+# Largest sample read per decision: huge gradients are subsampled with a fixed stride.
+SAMPLE_LIMIT = 2**20
+# Risk accepted that the chosen order statistic lies above the target quantile.
+CONFIDENCE_RISK = 0.1
+
+
+def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float) -> float:
+    """The real log2 of the smallest scale with at most ``target`` of the nonzero ``|values|`` below ``lambda_min``.
+
+    Model-free (no distribution assumed): read off an order statistic of the magnitudes, which
+    are exact values of a gradient at its current scale. Chosen to hold for the distribution the
+    values are drawn from (the scale is reused on later iterations, and ``values`` may be a slice
+    or, above :data:`SAMPLE_LIMIT` elements, a strided subsample), not only for this sample:
+
+    - with n nonzero values, the k-th smallest x₍ₖ₎ for the largest k with
+      P(Binomial(n, target) < k) ≤ :data:`CONFIDENCE_RISK`, so that F(x₍ₖ₎) ≤ target with
+      probability ≥ 0.9 (k ≈ n·target − 1.28 √(n·target) for large n);
+    - when even the minimum is not that safe (n below ≈ 2.3 / target), the minimum scaled down
+      linearly, x₍₁₎ · target / u with u = 1 − 0.1^(1/n) the 90% upper bound on F(x₍₁₎): exact for
+      densities flat near zero (Gaussian, Laplace, long sums), conservative for log-normal ones.
+
+    One host synchronisation. Returns ``-inf`` if all values are zero (no scale is needed).
+    """
+    _check_target(target)
+    magnitudes = _sample(values).abs().float()
+    nonzero = magnitudes > 0
+    # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
+    fetched = min(magnitudes.numel(), math.floor(target * magnitudes.numel()) + 1)
+    smallest = torch.where(nonzero, magnitudes, math.inf).topk(fetched, largest=False).values
+    count, *smallest_values = torch.cat([nonzero.sum().reshape(1).float(), smallest]).tolist()
+    n = int(count)
+    if n == 0:
+        return -math.inf
+    rank = confident_rank(n, target, CONFIDENCE_RISK)
+    if rank >= 1:
+        threshold = smallest_values[rank - 1]
+    else:
+        threshold = smallest_values[0] * target / -math.expm1(math.log(CONFIDENCE_RISK) / n)
+    return math.log2(lambda_min / threshold)
+
+
+def sample_underflow_rate(values: torch.Tensor, log2_scale: int, lambda_min: float) -> float:
+    """The fraction of the nonzero ``values`` whose magnitude times ``2**log2_scale`` is below ``lambda_min``.
+
+    The measured counterpart of :func:`gemm_underflow_rate`; 0 if all are zero. One host sync.
+    """
+    magnitudes = _sample(values).abs().float()
+    nonzero = magnitudes > 0
+    # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
+    below = nonzero & (magnitudes < lambda_min * 2.0 ** -log2_scale)
+    below_count, count = torch.stack([below.sum(), nonzero.sum()]).tolist()
+    return below_count / count if count else 0.0
+
+
+def confident_rank(n: int, rate: float, risk: float) -> int:
+    """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none).
+
+    Then the k-th smallest of n samples lies below the distribution's ``rate`` quantile with
+    probability at least 1 − risk.
+    """
+    log_odds = math.log(rate) - math.log1p(-rate)
+    log_pmf = n * math.log1p(-rate)  # P(Binomial = 0)
+    log_cdf = log_pmf
+    k = 0
+    while k < n and log_cdf <= math.log(risk):
+        log_pmf += math.log((n - k) / (k + 1)) + log_odds
+        log_cdf = _log_add(log_cdf, log_pmf)
+        k += 1
+    return k
+
+
+def _log_add(a: float, b: float) -> float:
+    high, low = max(a, b), min(a, b)
+    return high + math.log1p(math.exp(low - high))
+
+
+def _sample(values: torch.Tensor) -> torch.Tensor:
+    flat = values.detach().reshape(-1)
+    if flat.numel() > SAMPLE_LIMIT:
+        flat = flat[:: math.ceil(flat.numel() / SAMPLE_LIMIT)]
+    return flat

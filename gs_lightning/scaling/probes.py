@@ -1,0 +1,401 @@
+"""Exact fp32 values of the gradients a GEMM-like node sends on, on a bounded slice.
+
+On scale-update iterations the scale of a GEMM's output gradient can be read off the values
+themselves (:func:`~gs_lightning.scaling.underflow.sample_min_log2_scale`) instead of a model
+that assumes Gaussian operands. A probe recomputes part of the node's outgoing gradient from its
+incoming gradient and saved operands, in fp32: a strided subset along every axis (batch elements,
+heads, channels, rows, columns), so that the sample spreads over the whole tensor (underflow
+concentrates in some samples: those the loss already fits well) yet stays under
+:data:`PROBE_ELEMENTS` elements. Each value is the exact fp32 result for its element.
+
+Saved tensors are read only through :func:`~gs_lightning.scaling.graph.saved_tensor`, which
+refuses those an unpack hook owns (checkpointing); a probe then returns ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.autograd.graph import Node
+
+from gs_lightning.scaling.graph import saved_tensor
+
+# Upper bound on the number of values a probe returns.
+PROBE_ELEMENTS = 2**16
+
+
+def probe(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+    """Exact fp32 values of a slice of the gradient ``node`` sends along ``edge``.
+
+    Args:
+        node: A backward node whose type name is in :data:`PROBED`.
+        grad: The gradient arriving at the node's slot 0 (at its current scale, any dtype).
+        edge: Index in ``node.next_functions`` of the outgoing gradient wanted.
+        operand: The other GEMM operand, laid out as the node saved it (e.g. ``mat2`` of an
+            ``addmm``, which for ``Linear`` is the weight transposed), or ``None`` to read the
+            saved one. Unused by attention nodes.
+
+    Returns:
+        At most :data:`PROBE_ELEMENTS` fp32 values (flattened or not), or ``None`` when they
+        cannot be computed (unsupported node or edge, unreadable saved tensors, dropout).
+    """
+    compute = _PROBES.get(type(node).__name__)
+    if compute is None or grad is None:
+        return None
+    with torch.no_grad(), _fp32(grad.device):
+        return compute(node, grad.detach().float(), edge, operand)
+
+
+def _fp32(device: torch.device) -> torch.autocast:
+    """No autocast around a probe's arithmetic: its fp32 must stay fp32 (a backward may run inside autocast)."""
+    return torch.autocast(device.type, enabled=False)
+
+
+# --- Subsets -----------------------------------------------------------------------------------
+
+
+def _counts(sizes: Sequence[int], budget: int) -> list[int]:
+    """How many indices to take along each axis: product ≤ budget, spread as evenly as the sizes allow."""
+    counts = [1] * len(sizes)
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    for position, axis in enumerate(order):
+        remaining = len(sizes) - position
+        counts[axis] = max(1, min(sizes[axis], math.floor(budget ** (1.0 / remaining) + 1e-9)))
+        budget = max(1, budget // counts[axis])
+    return counts
+
+
+def _spread(size: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` indices evenly spread over ``range(size)``, deterministic."""
+    return torch.arange(count, device=device) * size // count
+
+
+def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().float()
+
+
+# --- Matrix products ---------------------------------------------------------------------------
+
+
+def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float) -> torch.Tensor:
+    """A slice of ∇A = α ∇Y Bᵀ for Y = A B (leading batch dimensions allowed)."""
+    grad, right = grad.reshape(-1, *grad.shape[-2:]), right.reshape(-1, *right.shape[-2:])
+    batch, rows, cols = grad.shape[0], grad.shape[1], right.shape[1]
+    b, r, c = _counts([batch, rows, cols], PROBE_ELEMENTS)
+    bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
+    return alpha * (grad[bi][:, ri] @ right[bi][:, ci].transpose(-1, -2))
+
+
+def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float) -> torch.Tensor:
+    """A slice of ∇B = α Aᵀ ∇Y for Y = A B (leading batch dimensions allowed)."""
+    grad, left = grad.reshape(-1, *grad.shape[-2:]), left.reshape(-1, *left.shape[-2:])
+    batch, rows, cols = grad.shape[0], left.shape[2], grad.shape[2]
+    b, r, c = _counts([batch, rows, cols], PROBE_ELEMENTS)
+    bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
+    return alpha * (left[bi][:, :, ri].transpose(-1, -2) @ grad[bi][:, :, ci])
+
+
+def _matmul_probe(left_edge: int, right_edge: int, left: str, right: str) -> Callable:
+    """Probe for a node computing Y = (β·bias +) α·left·right, ``left``/``right`` being saved names."""
+
+    def compute(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+        alpha = float(getattr(node, "_saved_alpha", 1.0))
+        if edge == left_edge:
+            other = _float(operand if operand is not None else saved_tensor(node, right))
+            return None if other is None else _left_grad(grad, other, alpha)
+        if edge == right_edge:
+            other = _float(operand if operand is not None else saved_tensor(node, left))
+            return None if other is None else _right_grad(grad, other, alpha)
+        return None
+
+    return compute
+
+
+# --- Convolutions ------------------------------------------------------------------------------
+
+
+def _edge_shape(node: Node, edge: int) -> torch.Size | None:
+    """Shape of the gradient ``node`` sends along ``edge``, from the receiving node's metadata."""
+    target, slot = node.next_functions[edge]
+    return None if target is None else target._input_metadata[slot].shape
+
+
+def _convolution(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+    """∇X of a (transposed, grouped, 1/2/3-d) convolution for a subset of batch elements × input channels.
+
+    The subset is itself a grouped convolution: the chosen groups, and in each the same chosen
+    input channels, with the weights and output channels of those groups.
+    """
+    weight = _float(operand if operand is not None else saved_tensor(node, "weight"))
+    shape = _edge_shape(node, 0)
+    if edge != 0 or weight is None or shape is None:
+        return None
+    groups, transposed = node._saved_groups, node._saved_transposed
+    batch, channels, spatial = shape[0], shape[1], shape[2:]
+    per_group = channels // groups
+    kernel = weight.shape[2:]
+    # Input channels index dim 0 of a transposed conv's weight, dim 1 of a conv's.
+    weight = weight.reshape(groups, per_group, -1, *kernel) if transposed else weight.reshape(groups, -1, per_group, *kernel)
+    budget = max(1, PROBE_ELEMENTS // max(1, math.prod(spatial)))
+    b, g, c = _counts([batch, groups, per_group], budget)
+    bi, gi, ci = (_spread(n, k, grad.device) for n, k in ((batch, b), (groups, g), (per_group, c)))
+    if transposed:  # (g, C_in/g, C_out/g, k) -> chosen groups × chosen channels
+        weight = weight[gi][:, ci].reshape(g * c, -1, *kernel)
+    else:  # (g, C_out/g, C_in/g, k)
+        weight = weight[gi][:, :, ci].reshape(-1, c, *kernel)
+    grad = grad[bi].reshape(b, groups, -1, *grad.shape[2:])[:, gi].reshape(b, -1, *grad.shape[2:])
+    template = grad.new_empty((b, g * c, *spatial))
+    grad_input, _, _ = torch.ops.aten.convolution_backward(
+        grad,
+        template,
+        weight,
+        None,
+        node._saved_stride,
+        node._saved_padding,
+        node._saved_dilation,
+        transposed,
+        node._saved_output_padding,
+        g,
+        [True, False, False],
+    )
+    return grad_input
+
+
+# --- Fused attention ---------------------------------------------------------------------------
+
+
+def _attention(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+    """∇query (edge 0), ∇key (1) or ∇value (2) of fused attention, on a subset of (batch, head) pairs.
+
+    Recomputes math attention in fp32: P = softmax(q kᵀ · scale + mask), dV = Pᵀ dO,
+    dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K · scale, dK = dSᵀ Q · scale. Key/value heads
+    shared by several query heads (grouped-query attention) sum over their group.
+    """
+    if edge not in (0, 1, 2) or float(getattr(node, "_saved_dropout_p", 0.0)) > 0.0:
+        return None  # dropout masks are drawn inside the kernel and cannot be replayed here
+    query, key, value = (_float(saved_tensor(node, name)) for name in ("query", "key", "value"))
+    if query is None or key is None or value is None or query.dim() < 3:
+        return None
+    mask = None
+    for name in ("attn_mask", "attn_bias"):
+        if hasattr(node, f"_raw_saved_{name}"):
+            mask = saved_tensor(node, name)
+            if mask is None and getattr(node, f"_raw_saved_{name}").unpack_hook is not None:
+                return None
+    if mask is not None:
+        mask = mask.expand(*query.shape[:-1], key.shape[-2])
+    # Canonical (batch, heads, length, features): leading axes flattened, a missing heads axis is one head.
+    query, key, value, grad, mask = (_heads_layout(t) for t in (query, key, value, grad, mask))
+    batch, heads, length, features = query.shape
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = node._saved_scale if getattr(node, "_saved_scale", None) is not None else 1.0 / math.sqrt(features)
+    rows = length if edge == 0 else kv_length
+    b, h = _counts([batch, heads if edge == 0 else kv_heads], max(1, PROBE_ELEMENTS // (rows * features)))
+    bi = _spread(batch, b, grad.device)
+    hi = _spread(heads if edge == 0 else kv_heads, h, grad.device)
+    query_heads = hi if edge == 0 else (hi[:, None] * group + torch.arange(group, device=grad.device)).reshape(-1)
+    kv_index = query_heads // group
+    q, do = query[bi][:, query_heads], grad[bi][:, query_heads]
+    k, v = key[bi][:, kv_index], value[bi][:, kv_index]
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        mask = mask[bi][:, query_heads]
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+    if getattr(node, "_saved_is_causal", False):
+        causal = torch.ones(length, kv_length, dtype=torch.bool, device=grad.device).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows have no gradient
+    if edge == 2:
+        return _sum_groups(probs.transpose(-1, -2) @ do, group)
+    dp = do @ v.transpose(-1, -2)
+    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+    if edge == 0:
+        return ds @ k * scale
+    return _sum_groups(ds.transpose(-1, -2) @ q * scale, group)
+
+
+def _heads_layout(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    return tensor.reshape(-1, *tensor.shape[-3:]) if tensor.dim() > 3 else tensor.unsqueeze(1)
+
+
+def _sum_groups(per_query_head: torch.Tensor, group: int) -> torch.Tensor:
+    """Sum the contributions of the query heads that share one key/value head."""
+    b, heads, *rest = per_query_head.shape
+    return per_query_head.reshape(b, heads // group, group, *rest).sum(2)
+
+
+# --- Fused recurrent layers --------------------------------------------------------------------
+
+# cuDNN's and oneDNN's mode codes, and the cell computing one step in each mode.
+_RNN_CELLS: dict[int, Callable] = {0: torch.rnn_relu_cell, 1: torch.rnn_tanh_cell, 2: torch.lstm_cell, 3: torch.gru_cell}
+_LSTM = 2
+
+# Per fused RNN node type: the edges whose gradient :func:`rnn_probe` computes (input; for oneDNN's
+# single-layer node also the initial hidden and cell states).
+RNN_PROBED: dict[str, frozenset[int]] = {
+    "MkldnnRnnLayerBackward0": frozenset({0, 5, 6}),
+    "CudnnRnnBackward0": frozenset({0}),
+}
+
+
+def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int) -> torch.Tensor | None:
+    """Exact fp32 values of a slice of the gradient a fused RNN node sends along ``edge``.
+
+    The sequences of a batch are independent, so the node's whole recurrence (every layer,
+    direction and time step) is recomputed in fp32 for a strided subset of them, and
+    differentiated by autograd with the matching slices of the incoming gradients.
+
+    Args:
+        node: A node whose type name is in :data:`RNN_PROBED` (``MkldnnRnnLayerBackward0``: one
+            layer and direction, on CPU; ``CudnnRnnBackward0``: the whole stack, on CUDA).
+        grads: The gradients arriving at the node's slots (output, final hidden state, final cell
+            state), ``None`` where none arrives; at their current scale, any dtype.
+        edge: Index in ``node.next_functions``: 0 for the input; 5 / 6 (oneDNN only) for the
+            initial hidden / cell state.
+
+    Returns:
+        At most :data:`PROBE_ELEMENTS` fp32 values, or ``None`` when they cannot be computed
+        (unreadable saved tensors, packed sequences, dropout between layers).
+    """
+    name = type(node).__name__
+    if edge not in RNN_PROBED.get(name, ()) or grads[0] is None and all(g is None for g in grads):
+        return None
+    spec = _mkldnn_spec(node) if name == "MkldnnRnnLayerBackward0" else _cudnn_spec(node)
+    if spec is None:
+        return None
+    x, hx, cx, layers, mode, batch_first = spec
+    if batch_first:
+        x = x.transpose(0, 1)
+    steps, batch, features = x.shape
+    wanted_size = features if edge == 0 else hx.shape[-1] if edge == 5 else cx.shape[-1]
+    (count,) = _counts([batch], max(1, PROBE_ELEMENTS // (steps * wanted_size if edge == 0 else wanted_size)))
+    index = _spread(batch, count, x.device)
+    grad_output, grad_hy, grad_cy = (*grads, None, None)[:3]
+    if grad_output is not None:
+        grad_output = (grad_output.transpose(0, 1) if batch_first else grad_output)[:, index].float()
+    # oneDNN's single-layer states have no layer axis: view them like cuDNN's (layers·directions, batch, size).
+    grad_hy = None if grad_hy is None else grad_hy.reshape(hx.shape)[:, index].float()
+    grad_cy = None if grad_cy is None else grad_cy.reshape(cx.shape)[:, index].float()
+    with torch.enable_grad(), _fp32(x.device):
+        x = x[:, index].float().requires_grad_()
+        hx = hx[:, index].float().requires_grad_()
+        cx = None if cx is None else cx[:, index].float().requires_grad_()
+        output, hy, cy = _recurrence(x, hx, cx, layers, mode)
+        pairs = [(t, g) for t, g in ((output, grad_output), (hy, grad_hy), (cy, grad_cy)) if g is not None and t is not None]
+        wanted = x if edge == 0 else hx if edge == 5 else cx
+        (result,) = torch.autograd.grad([t for t, _ in pairs], [wanted], [g for _, g in pairs], allow_unused=True)
+    return torch.zeros_like(wanted) if result is None else result.detach()
+
+
+# (input, h0, c0, per layer: per direction: (weights, reverse), mode, batch_first)
+_RnnSpec = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", list, int, bool]
+
+
+def _mkldnn_spec(node: Node) -> _RnnSpec | None:
+    tensors = [saved_tensor(node, name) for name in ("input", "hx_", "cx_", "weight0", "weight1", "weight2", "weight3")]
+    if any(t is None for t in tensors):
+        return None
+    x, hx, cx, w_ih, w_hh, b_ih, b_hh = tensors
+    weights = [w_ih, w_hh, b_ih, b_hh] if node._saved_has_biases else [w_ih, w_hh]
+    mode = node._saved_mode
+    # One layer, one direction; hx_/cx_ are its initial states. Its input is time-major whatever
+    # the saved batch_first says (the module transposes before the layer).
+    layers = [[(weights, bool(node._saved_reverse))]]
+    return x, hx.unsqueeze(0), cx.unsqueeze(0) if mode == _LSTM else None, layers, mode, False
+
+
+def _cudnn_spec(node: Node) -> _RnnSpec | None:
+    if node._saved_batch_sizes or (node._saved_dropout > 0 and node._saved_train and node._saved_num_layers > 1):
+        return None  # packed sequences; dropout masks drawn inside cuDNN
+    raw = getattr(node, "_raw_saved_weight", None)
+    x, hx = saved_tensor(node, "input"), saved_tensor(node, "hx")
+    cx = saved_tensor(node, "cx") if node._saved_mode == _LSTM else None
+    if raw is None or any(r.unpack_hook is not None for r in raw) or x is None or hx is None:
+        return None
+    if node._saved_mode == _LSTM and cx is None:
+        return None
+    weights = list(node._saved_weight)
+    directions = 2 if node._saved_bidirectional else 1
+    per = len(weights) // (node._saved_num_layers * directions)
+    layers = [
+        [(weights[(layer * directions + d) * per : (layer * directions + d + 1) * per], d == 1) for d in range(directions)]
+        for layer in range(node._saved_num_layers)
+    ]
+    return x, hx, cx, layers, node._saved_mode, node._saved_batch_first
+
+
+def _recurrence(
+    x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor | None, layers: list, mode: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A (multi-layer, bidirectional) RNN in fp32, step by step, as ``nn.LSTM``/``nn.GRU``/``nn.RNN`` compute it.
+
+    Weights per direction: w_ih, w_hh[, b_ih, b_hh][, w_hr] (w_hr: LSTM projection).
+    """
+    cell = _RNN_CELLS[mode]
+    final_h, final_c = [], []
+    for directions in layers:
+        outputs = []
+        for weights, reverse in directions:
+            slot = len(final_h)
+            w_ih, w_hh, *rest = (w.detach().float() for w in weights)
+            biases = rest[:2] if len(rest) >= 2 else [None, None]
+            projection = rest[-1] if len(rest) in (1, 3) else None
+            h, c = hx[slot], None if cx is None else cx[slot]
+            steps = []
+            for t in reversed(range(x.shape[0])) if reverse else range(x.shape[0]):
+                if projection is not None:  # torch.lstm_cell has no projection
+                    h, c = _projected_lstm_step(x[t], h, c, w_ih, w_hh, *biases, projection)
+                elif mode == _LSTM:
+                    h, c = cell(x[t], (h, c), w_ih, w_hh, *biases)
+                else:
+                    h = cell(x[t], h, w_ih, w_hh, *biases)
+                steps.append(h)
+            if reverse:
+                steps.reverse()
+            outputs.append(torch.stack(steps))
+            final_h.append(h)
+            final_c.append(c)
+        x = torch.cat(outputs, dim=-1)
+    return x, torch.stack(final_h), None if cx is None else torch.stack(final_c)
+
+
+def _projected_lstm_step(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor,
+    w_ih: torch.Tensor,
+    w_hh: torch.Tensor,
+    b_ih: torch.Tensor | None,
+    b_hh: torch.Tensor | None,
+    w_hr: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gates = x @ w_ih.t() + h @ w_hh.t()
+    if b_ih is not None:
+        gates = gates + b_ih + b_hh
+    i, f, g, o = gates.chunk(4, dim=-1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return (torch.sigmoid(o) * torch.tanh(c)) @ w_hr.t(), c
+
+
+_ATTENTION_NODES = (
+    "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductFlashAttentionBackward0",
+    "ScaledDotProductEfficientAttentionBackward0",
+    "ScaledDotProductCudnnAttentionBackward0",
+)
+
+_PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None], torch.Tensor | None]] = {
+    "ConvolutionBackward0": _convolution,
+    "AddmmBackward0": _matmul_probe(1, 2, "mat1", "mat2"),
+    "MmBackward0": _matmul_probe(0, 1, "self", "mat2"),
+    "BmmBackward0": _matmul_probe(0, 1, "self", "mat2"),
+    "BaddbmmBackward0": _matmul_probe(1, 2, "batch1", "batch2"),
+    **dict.fromkeys(_ATTENTION_NODES, _attention),
+}
+
+PROBED: frozenset[str] = frozenset(_PROBES)

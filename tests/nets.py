@@ -1,10 +1,11 @@
-"""Tiny networks with the graph shapes the scaler must handle (branches, splits, ties, unpooling)."""
+"""Tiny networks with the graph shapes the scaler must handle (branches, splits, ties, unpooling, checkpointing)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 
 class SSDLike(nn.Module):
@@ -144,3 +145,29 @@ class PlainCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x).mean((2, 3)))
+
+
+class CheckpointedNet(nn.Module):
+    """Activation checkpointing as users write it: checkpointed blocks inside residual branches,
+    a checkpoint nested in a checkpoint, and ``checkpoint_sequential``."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"a": nn.Linear(16, 16), "b": nn.Linear(16, 16)}) for _ in range(2))
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+        self.tail = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+
+    def _block(self, block: nn.ModuleDict, h: torch.Tensor) -> torch.Tensor:
+        h = block["a"](h).relu()
+        h = checkpoint(self.inner, h, use_reentrant=self.use_reentrant)  # nested
+        return block["b"](h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + checkpoint(self._block, block, h, use_reentrant=self.use_reentrant)  # in a residual branch
+        h = checkpoint_sequential(self.tail, 2, h, use_reentrant=self.use_reentrant)
+        return self.head(h)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from nets import (
+    CheckpointedNet,
     DenseBlock,
     PlainCNN,
     SegNetLike,
@@ -40,6 +42,8 @@ CASES = {
     "weight_tied": (TiedLM, lambda m: F.cross_entropy(m(torch.tensor([[1, 2, 3], [4, 5, 6]])).flatten(0, 1), torch.arange(1, 7))),
     "split_chunk_unbind": (SplitNet, lambda m: F.cross_entropy(m(_X[:, 0, 0, :6]), torch.tensor([1, 2]))),
     "two_output_function": (TwoOutputNet, lambda m: F.cross_entropy(m(_X[:, 0, 0, :5]), torch.tensor([1, 0]))),
+    "checkpoint_non_reentrant": (lambda: CheckpointedNet(use_reentrant=False), lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4)),
+    "checkpoint_reentrant": (lambda: CheckpointedNet(use_reentrant=True), lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4)),
 }
 
 
@@ -59,7 +63,9 @@ def test_fp32_gradients_are_bit_exact(case: str) -> None:
     scaler = GradientScaler(model, update_interval=100)
     for iteration in range(2):  # an update iteration, then one replaying its scales
         model.zero_grad(set_to_none=True)
-        scaler.backward(loss_fn(model) * 1e-6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # opaque and reentrant-checkpoint notices, torch's nested-checkpoint one
+            scaler.backward(loss_fn(model) * 1e-6)
         grads = _grads(model)
         assert grads.keys() == reference.keys()
         mismatched = [n for n in reference if not torch.equal(grads[n], reference[n])]
@@ -326,3 +332,169 @@ def test_unsupported_dtype_lists_the_formats() -> None:
 def test_core_imports_no_lightning() -> None:
     code = "import sys, gs_lightning.scaling, gs_lightning; assert 'lightning' not in sys.modules, 'lightning imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- inputs that used to crash or go silent ----------------------------------------------------
+
+
+def test_sparse_gradients_step_and_report_non_finite() -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 4, sparse=True)
+    head = nn.Linear(4, 2)
+    model = nn.Sequential(embedding, head)
+    optimizers = [torch.optim.SparseAdam(embedding.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)]
+    scaler = GradientScaler(model)
+    tokens = torch.tensor([1, 2, 2, 5])
+    before = embedding.weight.detach().clone()
+    scaler.backward(F.cross_entropy(model(tokens), torch.tensor([0, 1, 1, 0])))
+    assert embedding.weight.grad.is_sparse and not scaler.found_inf
+    assert all(scaler.step(optimizer) for optimizer in optimizers)
+    assert not torch.equal(before, embedding.weight) and torch.equal(before[3], embedding.weight[3])
+
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    scaler.backward(F.cross_entropy(model(tokens) * torch.tensor(float("inf")), torch.tensor([0, 1, 1, 0])))
+    before = embedding.weight.detach().clone()
+    assert scaler.found_inf and not scaler.step(optimizers[0])
+    assert torch.equal(before, embedding.weight)
+
+
+def test_a_diverged_run_stops_naming_the_first_non_finite_layer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradientScaler(model, max_consecutive_skips=3)
+    x = torch.randn(5, 4)
+
+    def diverged_step() -> bool:
+        optimizer.zero_grad()
+        out = model[0](x)
+        out = out * torch.tensor(float("inf"))  # non-finite from the first layer's output on
+        scaler.backward(model[2](model[1](out)).sum())
+        return scaler.step(optimizer)
+
+    assert not any(diverged_step() for _ in range(3))
+    with pytest.raises(RuntimeError, match=r"4 optimizer steps in a row were skipped.*max_consecutive_skips=3.*layer '2'"):
+        diverged_step()
+    assert GradientScaler(max_consecutive_skips=None).max_consecutive_skips is None
+
+
+def test_consecutive_skips_reset_after_a_step() -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradientScaler(model, max_consecutive_skips=1)
+    for poison in (True, False, True, False):  # never two skips in a row
+        optimizer.zero_grad()
+        scaler.backward(model(torch.randn(3, 4) * (float("inf") if poison else 1.0)).sum())
+        assert scaler.step(optimizer) is not poison
+
+
+def test_fp16_parameters_are_refused_before_any_gradient_is_written() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).half()
+    scaler = GradientScaler(model)
+    loss = model(torch.randn(3, 4, dtype=torch.float16)).float().sum()
+    with pytest.raises(ValueError, match=r"parameter 1\.bias is torch\.float16.*float32.*torch\.autocast"):
+        scaler.backward(loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fp32_master_weights_under_fp16_autocast_get_fp32_true_gradients() -> None:
+    """The supported alternative to model.half(): fp32 parameters, fp16 compute. The gradients the
+    scaler leaves are fp32 and equal plain fp16 autocast's wherever plain fp16 did not underflow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    plain = _grads(model)
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    GradientScaler(model).backward(loss)
+    for name, grad in _grads(model).items():
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, plain[name], rtol=2e-3, atol=1e-6)
+
+
+def test_a_skipped_step_leaves_the_buffers_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradientScaler(model)
+    x = torch.randn(6, 4)
+    optimizer.zero_grad()
+    scaler.backward(model(x).sum())
+    assert scaler.step(optimizer)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    optimizer.zero_grad()
+    poisoned = x.clone()
+    poisoned[0, 0] = float("inf")
+    scaler.backward(model(poisoned).sum())
+    assert not torch.isfinite(model[1].running_mean).all()  # the forward already spoilt them
+    with pytest.warns(RuntimeWarning, match="non-finite buffer.*restored"):
+        assert not scaler.step(optimizer)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    model.eval()
+    assert torch.isfinite(model(x)).all()
+
+
+def test_gradscaler_loop_runs_unchanged_and_keeps_gradscaler_rules() -> None:
+    """PyTorch's AMP recipe loop with GradientScaler in place of GradScaler (fp32 here: exact)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    scaler = GradientScaler(model)
+    assert scaler.is_enabled()
+    for _ in range(3):
+        optimizer.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y) * 1e-6).backward()
+        scaler.unscale_(optimizer)
+        with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+            scaler.unscale_(optimizer)
+        reference.zero_grad()
+        (F.cross_entropy(reference(x), y) * 1e-6).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert scaler.step(optimizer)
+        with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+            scaler.step(optimizer)
+        scaler.update()
+        reference.load_state_dict(model.state_dict())
+    assert scaler.iteration == 3 and any(s != 1.0 for s in scaler.scales().values())
+
+
+def test_accumulated_gradients_are_exact() -> None:
+    """Micro-batches accumulate into .grad: later ones are unscaled before autograd adds them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
+    for x, y in batches:
+        (F.cross_entropy(model(x), y) * 1e-6).backward()
+    reference = _grads(model)
+    model.zero_grad()
+    scaler = GradientScaler(model, update_interval=2)
+    for x, y in batches:
+        scaler.backward(F.cross_entropy(model(x), y) * 1e-6)
+    assert all(torch.equal(g, reference[n]) for n, g in _grads(model).items())
+
+
+def test_opaque_nodes_are_reported_as_passed_through() -> None:
+    model = TwoOutputNet()
+    scaler = GradientScaler(model)
+    with pytest.warns(RuntimeWarning, match="_ScaleAndShiftBackward.*pass through"):
+        scaler.backward(F.cross_entropy(model(_X[:, 0, 0, :5]), torch.tensor([1, 0])))
+    opaque = [layer for layer in scaler.layers() if layer.kind == "opaque"]
+    assert [layer.name for layer in opaque] == ["_ScaleAndShiftBackward"] and opaque[0].log2_scale == 0
+
+
+def test_reentrant_checkpoint_runs_unscaled_and_says_so() -> None:
+    model = CheckpointedNet(use_reentrant=True)
+    scaler = GradientScaler(model)
+    with pytest.warns(RuntimeWarning, match="use_reentrant=True.*unscaled"):
+        scaler.backward(F.cross_entropy(model(torch.randn(8, 8)), torch.arange(8) % 4) * 1e-6)
+    unscaled = [layer for layer in scaler.layers() if layer.kind == "unscaled"]
+    assert len(unscaled) == 3 and all(layer.log2_total == 0 for layer in unscaled)

@@ -182,13 +182,14 @@ class UpdateRun:
             (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
             alpha = self.alpha_out[i] = self.slot_alpha.get((i, slot), 0)
         out = list(grad_inputs)
+        for k in self.analysis.weight_edges.get(i, ()):
+            if out[k] is not None:  # the weight gradients a GEMM computed from a finite ∇Y may still overflow
+                self._finite_flags.append((self.analysis.layer_names[i], torch.isfinite(absmax(out[k]))))
         for k, edge in enumerate(self.graph.edges[i]):
             if edge is None:
                 continue
             if edge[0] in self.analysis.leaves:
                 out[k] = times_pow2(out[k], edge_shift(self.graph, edge, alpha, self.slot_alpha, self.deferred))
-                if out[k] is not None and i in self.analysis.gemms:
-                    self._finite_flags.append((self.analysis.layer_names[i], torch.isfinite(absmax(out[k]))))
             elif edge in self.analysis.branch_slots:
                 out[k] = self._arrive(edge, out[k], alpha)
             else:

@@ -2,17 +2,20 @@
 
 Measured side by side in one run, methods interleaved round by round, medians reported:
 
-* plain      fp16 autocast, ``loss.backward()`` (no protection against underflow)
-* GradScaler ``scaler.scale(loss).backward(); scaler.unscale_(opt)`` (dynamic loss scaling)
-* GS update  ``GradientScaler.backward`` on an update iteration (statistics, one sync per decision)
-* GS reuse   ``GradientScaler.backward`` between updates (constant factors, no sync)
+* plain      ``loss.backward()`` (no protection against underflow)
+* GradScaler ``scale(loss).backward()``, ``unscale_`` (fused unscale + inf check), ``update``
+* GS update  ``GradientScaler.backward`` + ``found_inf`` on an update iteration (statistics)
+* GS reuse   ``GradientScaler.backward`` + ``found_inf`` between updates (constant factors)
 
-Only the backward section is timed (the forward is the same for every method). On CUDA each
-timed section is synchronised, and a reuse iteration is also run under
-``torch.cuda.set_sync_debug_mode("error")`` to prove it never synchronises with the device.
+Only the backward section and the finiteness check are timed (the forward and the step are the
+same for every method). Next to the times it prints the number of aten operations each method
+dispatches (on a GPU, each is a kernel launch), counted with a dispatch mode. On CUDA each timed
+section is synchronised, and a reuse iteration is also run under
+``torch.cuda.set_sync_debug_mode("error")`` to check that only ``found_inf`` synchronises.
 
-    python bench/overhead.py                       # CPU, ResNet-50, tiny input
-    python bench/overhead.py --device cuda --batch-size 256 --image-size 224
+    python bench/overhead.py                       # CPU, one thread, ResNet-50, batch 2 at 32x32, fp32
+    python bench/overhead.py --autocast            # the same under fp16 autocast (slow on a CPU)
+    python bench/overhead.py --device cuda --autocast --batch-size 256 --image-size 224
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.graph import walk
-from gs_lightning.scaling.scaler import _scale_grad_inputs, _scale_grad_outputs
 
 
 def _time(fn: Callable[[], None], device: torch.device) -> float:
@@ -42,9 +46,29 @@ def _time(fn: Callable[[], None], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active (the backward's included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], None]) -> int:
+    """Number of aten operations ``fn`` dispatches."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
 def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50) -> dict[str, float]:
     """Host-only work of an iteration between updates, in ms: the graph walk, the structure check,
     and registering and removing the hooks (the hooks' own Python calls come on top)."""
+
     def per_call(fn: Callable[[], object]) -> float:
         start = time.perf_counter()
         for _ in range(repeats):
@@ -52,23 +76,21 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         return (time.perf_counter() - start) / repeats * 1e3
 
     graph = walk(loss.grad_fn)
-    hooks = scaler._plan.hook_factors(graph)
+    deferred = frozenset(scaler._analysis.leaf_sources)
 
     def register_and_remove() -> None:
-        handles = []
-        for i, pre, post in hooks:
-            if pre is not None:
-                handles.append(graph.nodes[i].register_prehook(partial(_scale_grad_outputs, pre)))
-            if post is not None:
-                handles.append(graph.nodes[i].register_hook(partial(_scale_grad_inputs, post)))
-        for handle in handles:
+        for handle in scaler._plan.replay(graph, deferred):
             handle.remove()
 
+    handles = scaler._plan.replay(graph, deferred)
+    hooks = len(handles)
+    for handle in handles:
+        handle.remove()
     return {
         "graph nodes": len(graph.nodes),
-        "hooked nodes": len(hooks),
+        "hooks": hooks,
         "walk ms": per_call(lambda: walk(loss.grad_fn)),
-        "structure check ms": per_call(lambda: graph.same_structure(scaler._plan.names, scaler._plan.edges)),
+        "structure check ms": per_call(lambda: scaler._plan.matches(graph)),
         "hook register+remove ms": per_call(register_and_remove),
     }
 
@@ -80,8 +102,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--autocast", action="store_true", help="fp16 autocast forward (default: fp32)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.arch)(num_classes=1000).to(device)
@@ -91,7 +116,7 @@ def main() -> None:
 
     def loss() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.float16):
+        with torch.autocast(device.type, dtype=torch.float16, enabled=args.autocast):
             return F.cross_entropy(model(x), y)
 
     amp = torch.amp.GradScaler(device.type)
@@ -101,15 +126,25 @@ def main() -> None:
 
     def grad_scaler(value: torch.Tensor) -> None:
         amp.scale(value).backward()
-        amp.unscale_(optimizer)
+        amp.unscale_(optimizer)  # fused unscale and inf check
+        sum(flag.item() for flag in amp._found_inf_per_device(optimizer).values())  # step()'s sync
         amp.update()  # resets the per-optimizer unscale state, as a real step would
+
+    def gradient_scaling(scaler: GradientScaler, value: torch.Tensor) -> None:
+        scaler.backward(value)
+        scaler.found_inf  # noqa: B018 - the step's finiteness check
+        scaler.update()
 
     methods: dict[str, Callable[[torch.Tensor], None]] = {
         "plain backward": lambda value: value.backward(),
         "GradScaler": grad_scaler,
-        "GS update iteration": gs_update.backward,
-        "GS between updates": gs_reuse.backward,
+        "GS update iteration": partial(gradient_scaling, gs_update),
+        "GS between updates": partial(gradient_scaling, gs_reuse),
     }
+    ops = {}
+    for name, backward in methods.items():
+        value = loss()
+        ops[name] = count_ops(lambda: backward(value))
     times: dict[str, list[float]] = {name: [] for name in methods}
     for round_ in range(args.rounds + 2):
         for name, backward in methods.items():
@@ -133,13 +168,15 @@ def main() -> None:
         f"\n{args.arch}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {device.type}, "
         f"median of {args.rounds} interleaved rounds\n"
     )
-    print("| method | backward ms | added vs plain (ms) | ratio vs plain |")
-    print("|---|---|---|---|")
+    print("| method | backward ms | added vs plain (ms) | ratio vs plain | aten ops | ops added vs plain |")
+    print("|---|---|---|---|---|---|")
     for name, samples in times.items():
         median = statistics.median(samples)
-        print(f"| {name} | {median:.1f} | {median - plain:+.2f} | {median / plain:.3f} |")
-    ratio = statistics.median(times["GS between updates"]) / statistics.median(times["GradScaler"])
-    print(f"\nGS between updates / GradScaler: {ratio:.3f}")
+        added = ops[name] - ops["plain backward"]
+        print(f"| {name} | {median:.1f} | {median - plain:+.2f} | {median / plain:.3f} | {ops[name]} | {added:+d} |")
+    reuse, amp_ms = statistics.median(times["GS between updates"]), statistics.median(times["GradScaler"])
+    print(f"\nGS between updates vs GradScaler: {reuse - amp_ms:+.2f} ms ({reuse / amp_ms:.3f}x), "
+          f"{ops['GS between updates'] - ops['GradScaler']:+d} aten ops")
     print("\nHost-side work of GS between updates (no kernels):")
     for name, value in breakdown.items():
         print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")

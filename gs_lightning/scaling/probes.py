@@ -26,7 +26,9 @@ from gs_lightning.scaling.graph import saved_tensor
 PROBE_ELEMENTS = 2**16
 
 
-def probe(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+def probe(
+    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int = PROBE_ELEMENTS
+) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient ``node`` sends along ``edge``.
 
     Args:
@@ -36,16 +38,17 @@ def probe(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | Non
         operand: The other GEMM operand, laid out as the node saved it (e.g. ``mat2`` of an
             ``addmm``, which for ``Linear`` is the weight transposed), or ``None`` to read the
             saved one. Unused by attention nodes.
+        elements: Upper bound on the number of values returned.
 
     Returns:
-        At most :data:`PROBE_ELEMENTS` fp32 values (flattened or not), or ``None`` when they
+        At most ``elements`` fp32 values (flattened or not), or ``None`` when they
         cannot be computed (unsupported node or edge, unreadable saved tensors, dropout).
     """
     compute = _PROBES.get(type(node).__name__)
     if compute is None or grad is None:
         return None
     with torch.no_grad(), _fp32(grad.device):
-        return compute(node, grad.detach().float(), edge, operand)
+        return compute(node, grad.detach().float(), edge, operand, elements)
 
 
 def _fp32(device: torch.device) -> torch.autocast:
@@ -67,9 +70,36 @@ def _counts(sizes: Sequence[int], budget: int) -> list[int]:
     return counts
 
 
-def _spread(size: int, count: int, device: torch.device) -> torch.Tensor:
-    """``count`` indices evenly spread over ``range(size)``, deterministic."""
-    return torch.arange(count, device=device) * size // count
+def _sample_counts(samples: Sequence[int], columns: int, budget: int) -> tuple[list[int], int]:
+    """Counts along the sample axes (batch, positions) and along the column axis (features).
+
+    Gradients differ most between samples (a well-fit sample's are tiny; a sparse ∇Y row gives a
+    row of ∇X scaled by its few values): values within a sample are correlated, so the slice
+    takes every sample the budget allows and, for each, a few strided columns (√budget / 4, more
+    if samples are few).
+    """
+    columns_wanted = min(columns, max(1, math.isqrt(budget) // 4))
+    counts = _counts(samples, max(1, budget // columns_wanted))
+    return counts, min(columns, max(1, budget // math.prod(counts)))
+
+
+def _spread(size: int, count: int, device: torch.device, shift: int = 0, shifts: int = 1) -> torch.Tensor:
+    """``count`` indices evenly spread over ``range(size)``, deterministic.
+
+    The ``shift``-th of ``shifts`` such sets is offset by that fraction of the spacing: together
+    the sets cover ``min(size, count · shifts)`` distinct indices.
+    """
+    return (torch.arange(count, device=device) * size + shift * size // shifts) // count % size
+
+
+def _shifts(samples: int, columns: int, count: int) -> int:
+    """Into how many groups to split the chosen samples so that each group's own columns cover them all.
+
+    A Latin-square-like slice: every chosen sample and (nearly) every column appears, so the
+    values are closer to independent draws than a block of a few columns would be (for short
+    sums, ∇X ≈ ∇Y_r · W_c and a block would see only a few of the W_c).
+    """
+    return max(1, min(samples, math.ceil(columns / count)))
 
 
 def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -79,20 +109,26 @@ def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
 # --- Matrix products ---------------------------------------------------------------------------
 
 
-def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float) -> torch.Tensor:
+def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: int) -> torch.Tensor:
     """A slice of ∇A = α ∇Y Bᵀ for Y = A B (leading batch dimensions allowed)."""
     grad, right = grad.reshape(-1, *grad.shape[-2:]), right.reshape(-1, *right.shape[-2:])
     batch, rows, cols = grad.shape[0], grad.shape[1], right.shape[1]
-    b, r, c = _counts([batch, rows, cols], PROBE_ELEMENTS)
-    bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
-    return alpha * (grad[bi][:, ri] @ right[bi][:, ci].transpose(-1, -2))
+    (b, r), c = _sample_counts([batch, rows], cols, elements)
+    bi, ri = _spread(batch, b, grad.device), _spread(rows, r, grad.device)
+    grad, right = grad[bi], right[bi]
+    shifts = _shifts(r, cols, c)
+    blocks = [
+        grad[:, ri[t::shifts]] @ right[:, _spread(cols, c, grad.device, t, shifts)].transpose(-1, -2)
+        for t in range(shifts)
+    ]
+    return alpha * (blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks]))
 
 
-def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float) -> torch.Tensor:
+def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float, elements: int) -> torch.Tensor:
     """A slice of ∇B = α Aᵀ ∇Y for Y = A B (leading batch dimensions allowed)."""
     grad, left = grad.reshape(-1, *grad.shape[-2:]), left.reshape(-1, *left.shape[-2:])
     batch, rows, cols = grad.shape[0], left.shape[2], grad.shape[2]
-    b, r, c = _counts([batch, rows, cols], PROBE_ELEMENTS)
+    b, r, c = _counts([batch, rows, cols], elements)
     bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
     return alpha * (left[bi][:, :, ri].transpose(-1, -2) @ grad[bi][:, :, ci])
 
@@ -100,14 +136,14 @@ def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float) -> torch.T
 def _matmul_probe(left_edge: int, right_edge: int, left: str, right: str) -> Callable:
     """Probe for a node computing Y = (β·bias +) α·left·right, ``left``/``right`` being saved names."""
 
-    def compute(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+    def compute(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int) -> torch.Tensor | None:
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if edge == left_edge:
             other = _float(operand if operand is not None else saved_tensor(node, right))
-            return None if other is None else _left_grad(grad, other, alpha)
+            return None if other is None else _left_grad(grad, other, alpha, elements)
         if edge == right_edge:
             other = _float(operand if operand is not None else saved_tensor(node, left))
-            return None if other is None else _right_grad(grad, other, alpha)
+            return None if other is None else _right_grad(grad, other, alpha, elements)
         return None
 
     return compute
@@ -122,7 +158,9 @@ def _edge_shape(node: Node, edge: int) -> torch.Size | None:
     return None if target is None else target._input_metadata[slot].shape
 
 
-def _convolution(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+def _convolution(
+    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
+) -> torch.Tensor | None:
     """∇X of a (transposed, grouped, 1/2/3-d) convolution for a subset of batch elements × input channels.
 
     The subset is itself a grouped convolution: the chosen groups, and in each the same chosen
@@ -138,35 +176,42 @@ def _convolution(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tenso
     kernel = weight.shape[2:]
     # Input channels index dim 0 of a transposed conv's weight, dim 1 of a conv's.
     weight = weight.reshape(groups, per_group, -1, *kernel) if transposed else weight.reshape(groups, -1, per_group, *kernel)
-    budget = max(1, PROBE_ELEMENTS // max(1, math.prod(spatial)))
-    b, g, c = _counts([batch, groups, per_group], budget)
-    bi, gi, ci = (_spread(n, k, grad.device) for n, k in ((batch, b), (groups, g), (per_group, c)))
-    if transposed:  # (g, C_in/g, C_out/g, k) -> chosen groups × chosen channels
-        weight = weight[gi][:, ci].reshape(g * c, -1, *kernel)
-    else:  # (g, C_out/g, C_in/g, k)
-        weight = weight[gi][:, :, ci].reshape(-1, c, *kernel)
-    grad = grad[bi].reshape(b, groups, -1, *grad.shape[2:])[:, gi].reshape(b, -1, *grad.shape[2:])
-    template = grad.new_empty((b, g * c, *spatial))
-    grad_input, _, _ = torch.ops.aten.convolution_backward(
-        grad,
-        template,
-        weight,
-        None,
-        node._saved_stride,
-        node._saved_padding,
-        node._saved_dilation,
-        transposed,
-        node._saved_output_padding,
-        g,
-        [True, False, False],
-    )
-    return grad_input
+    (b,), pairs = _sample_counts([batch], channels, max(1, elements // max(1, math.prod(spatial))))
+    g, c = _counts([groups, per_group], pairs)
+    bi = _spread(batch, b, grad.device)
+    grad = grad[bi].reshape(b, groups, -1, *grad.shape[2:])
+    shifts = _shifts(b, channels, g * c)
+    blocks = []
+    for t in range(shifts):
+        gi, ci = _spread(groups, g, grad.device, t, shifts), _spread(per_group, c, grad.device, t, shifts)
+        if transposed:  # (g, C_in/g, C_out/g, k) -> chosen groups × chosen channels
+            chosen = weight[gi][:, ci].reshape(g * c, -1, *kernel)
+        else:  # (g, C_out/g, C_in/g, k)
+            chosen = weight[gi][:, :, ci].reshape(-1, c, *kernel)
+        grad_t = grad[t::shifts][:, gi].flatten(1, 2)
+        grad_input, _, _ = torch.ops.aten.convolution_backward(
+            grad_t,
+            grad_t.new_empty((grad_t.shape[0], g * c, *spatial)),  # only its shape is read
+            chosen,
+            None,
+            node._saved_stride,
+            node._saved_padding,
+            node._saved_dilation,
+            transposed,
+            node._saved_output_padding,
+            g,
+            [True, False, False],
+        )
+        blocks.append(grad_input)
+    return blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks])
 
 
 # --- Fused attention ---------------------------------------------------------------------------
 
 
-def _attention(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None) -> torch.Tensor | None:
+def _attention(
+    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
+) -> torch.Tensor | None:
     """∇query (edge 0), ∇key (1) or ∇value (2) of fused attention, on a subset of (batch, head) pairs.
 
     Recomputes math attention in fp32: P = softmax(q kᵀ · scale + mask), dV = Pᵀ dO,
@@ -193,7 +238,7 @@ def _attention(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor 
     group = heads // kv_heads
     scale = node._saved_scale if getattr(node, "_saved_scale", None) is not None else 1.0 / math.sqrt(features)
     rows = length if edge == 0 else kv_length
-    b, h = _counts([batch, heads if edge == 0 else kv_heads], max(1, PROBE_ELEMENTS // (rows * features)))
+    b, h = _counts([batch, heads if edge == 0 else kv_heads], max(1, elements // (rows * features)))
     bi = _spread(batch, b, grad.device)
     hi = _spread(heads if edge == 0 else kv_heads, h, grad.device)
     query_heads = hi if edge == 0 else (hi[:, None] * group + torch.arange(group, device=grad.device)).reshape(-1)
@@ -243,7 +288,9 @@ RNN_PROBED: dict[str, frozenset[int]] = {
 }
 
 
-def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int) -> torch.Tensor | None:
+def rnn_probe(
+    node: Node, grads: Sequence[torch.Tensor | None], edge: int, elements: int = PROBE_ELEMENTS
+) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient a fused RNN node sends along ``edge``.
 
     The sequences of a batch are independent, so the node's whole recurrence (every layer,
@@ -257,9 +304,10 @@ def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int) -> to
             state), ``None`` where none arrives; at their current scale, any dtype.
         edge: Index in ``node.next_functions``: 0 for the input; 5 / 6 (oneDNN only) for the
             initial hidden / cell state.
+        elements: Upper bound on the number of values returned (at least one sequence's).
 
     Returns:
-        At most :data:`PROBE_ELEMENTS` fp32 values, or ``None`` when they cannot be computed
+        At most ``elements`` fp32 values, or ``None`` when they cannot be computed
         (unreadable saved tensors, packed sequences, dropout between layers).
     """
     name = type(node).__name__
@@ -273,7 +321,7 @@ def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int) -> to
         x = x.transpose(0, 1)
     steps, batch, features = x.shape
     wanted_size = features if edge == 0 else hx.shape[-1] if edge == 5 else cx.shape[-1]
-    (count,) = _counts([batch], max(1, PROBE_ELEMENTS // (steps * wanted_size if edge == 0 else wanted_size)))
+    (count,) = _counts([batch], max(1, elements // (steps * wanted_size if edge == 0 else wanted_size)))
     index = _spread(batch, count, x.device)
     grad_output, grad_hy, grad_cy = (*grads, None, None)[:3]
     if grad_output is not None:
@@ -389,7 +437,7 @@ _ATTENTION_NODES = (
     "ScaledDotProductCudnnAttentionBackward0",
 )
 
-_PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None], torch.Tensor | None]] = {
+_PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None, int], torch.Tensor | None]] = {
     "ConvolutionBackward0": _convolution,
     "AddmmBackward0": _matmul_probe(1, 2, "mat1", "mat2"),
     "MmBackward0": _matmul_probe(0, 1, "self", "mat2"),

@@ -1,11 +1,11 @@
-"""GradientScalingPlugin under DDP on CPU: 2 processes, gloo.
+"""GradientScalingPlugin under DDP on CPU: 2 processes, gloo, in lightning.pytorch and pytorch_lightning.
 
 The ranks all-reduce true gradients (each rank unscales its own before accumulation, with scales of
 its own), so after a few steps both ranks hold the same weights, and those match a single process
 that sees the whole global batch. A step that overflows on one rank only is skipped on both, since
 the all-reduce carries the inf to every rank.
 
-Run as a script (``python tests/test_ddp.py STRATEGY OUT_DIR``) this file is also the training
+Run as a script (``python tests/test_ddp.py PACKAGE STRATEGY OUT_DIR``) this file is also the training
 program of the ``strategy="ddp"`` test: Lightning launches rank 1 by running it again.
 """
 
@@ -13,28 +13,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from conftest import DATA, Classifier
+from lightning_packages import on_package
 from torch.utils.data import DataLoader, TensorDataset
 
 from gs_lightning import GradientScalingPlugin
 
-GLOBAL_BATCH, STEPS, INF_STEP = 8, 5, 2
-_G = torch.Generator().manual_seed(0)
-X, Y = torch.randn(GLOBAL_BATCH * STEPS, 8, generator=_G), torch.randint(0, 4, (GLOBAL_BATCH * STEPS,), generator=_G)
+GLOBAL_BATCH, INF_STEP = 8, 2
+STEPS = len(DATA) // GLOBAL_BATCH
 
 
-class Classifier(L.LightningModule):
+class ShardedClassifier(Classifier):
     """Overflows at ``INF_STEP`` on rank 0 only; saves its weights and scaler counters when training ends."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         self.out_dir = out_dir
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -46,10 +45,8 @@ class Classifier(L.LightningModule):
         # Rank r takes samples r, r + world, ...: each global batch is the single process's batch, in order
         # (Lightning's own DistributedSampler would shuffle).
         world, rank = self.trainer.world_size, self.global_rank
-        return DataLoader(TensorDataset(X[rank::world], Y[rank::world]), batch_size=GLOBAL_BATCH // world)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        x, y = DATA.tensors
+        return DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=GLOBAL_BATCH // world)
 
     def on_train_end(self) -> None:
         scaler = self.trainer.precision_plugin.scaler
@@ -61,11 +58,11 @@ class Classifier(L.LightningModule):
         torch.save(result, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
-def train(strategy: str, devices: int, out_dir: Path) -> None:
+def train(package: str, strategy: str, devices: int, out_dir: Path) -> None:
     """Fit from the same initial weights on the same global batches of 8, sharded over the ranks."""
     torch.manual_seed(0)
-    model = Classifier(str(out_dir))
-    trainer = L.Trainer(
+    model = on_package(ShardedClassifier, package)(str(out_dir))
+    trainer = import_module(package).Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -94,18 +91,23 @@ def check_against_single_process(ddp_dir: Path, single_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("single")
-    train("auto", 1, out)
+    train("lightning.pytorch", "auto", 1, out)
     return out
 
 
-@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
-def test_ranks_agree_with_each_other_and_a_single_process(strategy: str, single_process: Path, tmp_path: Path) -> None:
+# pytorch_lightning runs the "ddp" launcher only: each DDP run costs ~30 s on a 2-core CPU, and
+# "ddp_spawn" would pickle the test model by name, which finds the lightning.pytorch class.
+@pytest.mark.parametrize(
+    "package, strategy",
+    [("lightning.pytorch", "ddp_spawn"), ("lightning.pytorch", "ddp"), ("pytorch_lightning", "ddp")],
+)
+def test_ranks_agree_with_each_other_and_a_single_process(package: str, strategy: str, single_process: Path, tmp_path: Path) -> None:
     if strategy == "ddp_spawn":
-        train(strategy, 2, tmp_path)
+        train(package, strategy, 2, tmp_path)
     else:  # Lightning's "ddp" launches rank 1 by rerunning the command line: that must be this script, not pytest
-        subprocess.run([sys.executable, __file__, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path)
+        subprocess.run([sys.executable, __file__, package, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path)
     check_against_single_process(tmp_path, single_process)
 
 
 if __name__ == "__main__":
-    train(sys.argv[1], 2, Path(sys.argv[2]))
+    train(sys.argv[1], sys.argv[2], 2, Path(sys.argv[3]))

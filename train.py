@@ -13,16 +13,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from gs_lightning.app import register_recipes, run
+from gs_lightning.app import objective, register_recipes, run
 
 register_recipes(Path(__file__).resolve().parent / "recipes")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point; returns the recipe's headline test metric for sweepers."""
-    metrics = run(cfg)
-    return next((metrics[k] for k in ("test/miou", "test/map", "test/top1") if k in metrics), None)
+    """Hydra entry point; returns the recipe's ``optimized_metric`` for sweepers."""
+    return objective(cfg, run(cfg))
 
 
 if __name__ == "__main__":

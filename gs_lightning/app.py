@@ -2,13 +2,17 @@
 
 Data flows one way: the recipe's config builds the datamodule, the model, the task and the
 trainer; the precision plugin scales; the callbacks observe. Recipes are the YAML files in the
-repository's ``recipes/`` folder, registered as Hydra's ``recipe`` config group.
+repository's ``recipes/`` folder, registered as Hydra's ``recipe`` config group. Bad input stops
+the run with one line naming what is wrong and what was expected (:class:`AppError`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +20,27 @@ from typing import Any
 import lightning as L
 from hydra.core.config_store import ConfigStore
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
 
 log = logging.getLogger(__name__)
+
+# The pip extra that provides each optional logger.
+_LOGGER_EXTRAS = {"WandbLogger": "wandb", "TensorBoardLogger": "tensorboard"}
+
+_SCALE_TABLE_HELP = (
+    "How to read the scales: each layer multiplies the gradient it sends on by 2^(log2 scale); "
+    "log2 total is the scale that gradient carries after every layer above it (the product); "
+    "est. underflow is the estimated fraction of its nonzero values still lost to fp16 at that scale "
+    "(target 1e-3; a cast before the loss can stay near 0.1 because its values span more than fp16's "
+    "range, the paper's §5.4). The two plots show the same over time."
+)
+
+
+class AppError(Exception):
+    """Bad input to the app: the message says what is wrong and what was expected."""
 
 
 def register_recipes(directory: Path) -> list[str]:
@@ -45,27 +64,35 @@ class Run:
 def precision_arguments(precision: DictConfig) -> dict[str, Any]:
     """Trainer arguments for the ``precision`` group: one of our plugins, or Lightning's own flag."""
     if "_target_" in precision:
-        return {"plugins": [instantiate(precision)]}
+        return {"plugins": [_instantiate(precision)]}
     if "lightning_precision" in precision:
         return {"precision": precision.lightning_precision}
-    raise ValueError(
+    raise AppError(
         f"precision config {OmegaConf.to_yaml(precision).strip()!r} names neither a plugin (_target_) "
         "nor Lightning's own precision (lightning_precision); expected one of conf/precision/*.yaml"
     )
 
 
 def build(cfg: DictConfig) -> Run:
-    """Build datamodule, model, task and trainer from a composed config."""
+    """Build datamodule, model, task and trainer from a composed config.
+
+    Raises:
+        AppError: a config value out of range, an unknown key, a missing file or package.
+    """
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
-    task = instantiate(cfg.task, model=instantiate(cfg.model))
-    callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
-    trainer = instantiate(cfg.trainer, logger=instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision))
+    datamodule = _instantiate(cfg.data)
+    task = _instantiate(cfg.task, model=_instantiate(cfg.model))
+    callbacks = [_instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision))
     return Run(trainer, task, datamodule)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Fit (and test) the recipe; return the final metrics. Bad input exits with one clear message."""
+    """Fit and test the recipe; return the final metrics, which hold ``cfg.optimized_metric``.
+
+    Bad input exits with one line on stderr.
+    """
+    _quiet_lightning()
     try:
         built = build(cfg)
         built.trainer.fit(built.task, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
@@ -73,17 +100,34 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if cfg.test and not cfg.trainer.fast_dev_run:
             for result in built.trainer.test(built.task, datamodule=built.datamodule, verbose=False):
                 metrics.update(result)
-    except (DatasetError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
-    except InstantiationException as error:
-        sys.exit(f"error: bad config value: {error}")
+        objective(cfg, metrics)
+    except (AppError, DatasetError, FileNotFoundError) as error:
+        sys.exit(f"error: {_data_root_hint(error, cfg)}")
     if built.trainer.is_global_zero:
-        print(summary(built.trainer, metrics))
+        log.info(summary(built.trainer, metrics, cfg))
     return metrics
 
 
-def summary(trainer: L.Trainer, metrics: dict[str, float]) -> str:
-    """Final metrics, the per-layer scales of the last update, and the plots written."""
+def objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
+    """The value of ``cfg.optimized_metric`` that ``train.py`` returns to Hydra's sweepers.
+
+    None when no metric is named, or when the test that logs it did not run (``test=false``,
+    ``fast_dev_run``).
+
+    Raises:
+        AppError: the named metric should have been logged and was not.
+    """
+    name = cfg.get("optimized_metric")
+    if name is None or name in metrics:
+        return metrics.get(name)
+    if name.startswith("test/") and (not cfg.test or cfg.trainer.fast_dev_run):
+        return None
+    raise AppError(f"optimized_metric={name!r} was not logged; logged metrics: {', '.join(sorted(metrics))}")
+
+
+def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | None = None) -> str:
+    """Final metrics, the per-layer scales of the last update with how to read them, and where
+    the run's files are."""
     lines = ["", "Final metrics:"]
     lines += [f"  {name:<28} {value:.4f}" for name, value in sorted(metrics.items()) if "/" in name]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -97,7 +141,79 @@ def summary(trainer: L.Trainer, metrics: dict[str, float]) -> str:
         lines += [
             f"  {layer.name:<32} {layer.log2_scale:>10} {layer.log2_total:>10} {layer.underflow_rate:>15.2e}" for layer in layers
         ]
+        lines.append(_SCALE_TABLE_HELP)
+    lines += ["", *_where(trainer, cfg)]
+    return "\n".join(lines)
+
+
+def _where(trainer: L.Trainer, cfg: DictConfig | None) -> list[str]:
+    """Where the run's directory, checkpoint, dataset, plots and log are."""
+    lines = [f"Run directory: {Path(trainer.default_root_dir).resolve()}"]
+    checkpoint = trainer.checkpoint_callback
+    last = getattr(checkpoint, "last_model_path", "") if checkpoint is not None else ""
+    if last:
+        lines.append(f"Checkpoint:    {last}  (resume: python train.py ... ckpt_path={last})")
+    if cfg is not None:
+        lines.append(f"Dataset:       {Path(cfg.data.root).expanduser().resolve()}")
     for callback in trainer.callbacks:
         for path in getattr(callback, "plot_paths", []):
             lines.append(f"Plot: {path}")
-    return "\n".join(lines)
+    log_file = Path(trainer.default_root_dir) / "train.log"
+    if log_file.is_file():
+        lines.append(f"Log:           {log_file.resolve()}")
+    return lines
+
+
+def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` with plain dicts and lists (objects store them, checkpoints hold
+    them, torch's weights_only loading accepts them); a failure becomes one AppError line."""
+    try:
+        return instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as error:
+        raise _explain(error) from error
+
+
+def _explain(error: InstantiationException) -> AppError:
+    """One line for a failed instantiation: the config key and what went wrong."""
+    cause = error.__cause__
+    if isinstance(cause, AppError | DatasetError | FileNotFoundError):
+        return AppError(str(cause))  # already names the file or value
+    key = re.search(r"full_key: (\S+)", str(error))
+    key = key.group(1) if key else "config"
+    target = re.search(r"target '([\w.]+)'", str(error))
+    target = target.group(1) if target else ""
+    if isinstance(cause, ImportError):
+        extra = _LOGGER_EXTRAS.get(target.rsplit(".", 1)[-1])
+        if extra is not None:
+            return AppError(f'{key}={extra} needs the {extra} package, which is not installed: pip install -e ".[{extra}]"')
+        return AppError(f"{key}: a package is not installed: {cause}")
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+    if isinstance(cause, TypeError) and unknown and target:
+        valid = ", ".join(name for name in inspect.signature(get_object(target)).parameters if name != "self")
+        return AppError(f"{key}: unknown setting {unknown.group(1)!r}; valid settings: {valid}")
+    if cause is None:
+        return AppError(f"{key}: {str(error).splitlines()[0]}")
+    return AppError(f"{key}: {cause}")
+
+
+def _data_root_hint(error: Exception, cfg: DictConfig) -> str:
+    """A dataset error also names the ``data.root`` setting that points at the folder."""
+    if not isinstance(error, DatasetError):
+        return str(error)
+    root = Path(str(cfg.data.root)).expanduser().resolve()
+    return f"{error} (data.root={root}; set data.root=/path/to/dataset or GS_DATA_DIR)"
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def _quiet_lightning() -> None:
+    """Drop Lightning's advertising tips and two notices that do not apply to this app's runs."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropTips())
+    # Our fp16 plugins report "16-mixed", which the model summary cannot size; fp32 is what it shows.
+    warnings.filterwarnings("ignore", message="Precision 16-mixed is not supported by the model summary")
+    # Lightning 2.6 calls a torch pytree API that torch 2.14 deprecates; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

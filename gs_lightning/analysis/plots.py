@@ -63,25 +63,51 @@ def plot_scale_heatmap(history: History, path: str | Path) -> Path:
     ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
     ax.set_yticks(range(len(layers)), layers, fontsize=_label_size(len(layers)))
     ax.set_xlabel("step")
+    ax.set_ylabel("layer (backward order)")
     ax.set_title("Gradient scale per layer (log2)")
     return _save(fig, path)
 
 
-def plot_scale_mean_std(history: History, path: str | Path) -> Path:
-    """Mean ± standard deviation over steps of each layer's log2 scale (the paper's Figure 2)."""
+def plot_scale_mean_std(history: History, path: str | Path, totals: History | None = None) -> Path:
+    """Mean ± standard deviation over steps of each layer's log2 scale (the paper's Figure 2).
+
+    With ``totals`` (the same layout, log2 of the accumulated scale each layer's outgoing gradient
+    carries) both are drawn per layer: most local scales are 2^0, and the accumulated scale shows
+    what each gradient is actually multiplied by. Returns the PNG's path.
+    """
     _, layers, matrix = history_matrix(history)
-    means = np.nanmean(matrix, axis=1)
-    stds = np.nanstd(matrix, axis=1)
     fig = _figure(width=7.0, height=_height(len(layers)))
     ax = fig.subplots()
     rows = np.arange(len(layers))
-    ax.barh(rows, means, xerr=stds, color="tab:blue", ecolor="black", capsize=2)
+    series = [("local scale", matrix, "tab:blue")]
+    if totals:
+        _, total_layers, total_matrix = history_matrix(totals)
+        order = [total_layers.index(layer) if layer in total_layers else None for layer in layers]
+        aligned = np.array([total_matrix[i] if i is not None else np.full(matrix.shape[1:], np.nan) for i in order])
+        series.append(("accumulated scale", aligned, "tab:orange"))
+    height = 0.8 / len(series)
+    for k, (label, values, colour) in enumerate(series):
+        means, stds = _nan_mean_std(values)
+        offset = (k - (len(series) - 1) / 2) * height
+        ax.barh(rows + offset, means, height=height, xerr=stds, color=colour, ecolor="black", capsize=2, label=label)
     ax.set_yticks(rows, layers, fontsize=_label_size(len(layers)))
     ax.invert_yaxis()  # backward order from the top, as in the heatmap
     ax.axvline(0.0, color="grey", linewidth=0.8)
     ax.set_xlabel("log2 scale (mean ± std over steps)")
-    ax.set_title("Mean gradient scale per layer")
+    ax.set_ylabel("layer (backward order)")
+    ax.set_title("Gradient scale per layer")
+    if len(series) > 1:
+        ax.legend(loc="lower right", fontsize=8)
     return _save(fig, path)
+
+
+def _nan_mean_std(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row mean and std ignoring NaN; 0 for a row without any value."""
+    counts = np.sum(~np.isnan(values), axis=1)
+    filled = np.where(np.isnan(values), 0.0, values)
+    means = filled.sum(axis=1) / np.maximum(counts, 1)
+    stds = np.sqrt(np.where(np.isnan(values), 0.0, (values - means[:, None]) ** 2).sum(axis=1) / np.maximum(counts, 1))
+    return means, stds
 
 
 def save_scale_history(history: History, path: str | Path) -> Path:

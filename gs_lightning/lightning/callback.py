@@ -1,14 +1,21 @@
-"""GradientScalingCallback: log per-layer gradient scales while training, plot them when it ends."""
+"""Callbacks: GradientScalingCallback logs per-layer gradient scales while training and plots them
+when it ends; RandomStateCallback puts the random generators' states into checkpoints."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
 
 from gs_lightning.analysis.plots import (
     history_layers,
@@ -35,9 +42,13 @@ class GradientScalingCallback(Callback):
     * ``gs/underflow/<layer>``: the model's estimated underflow rate at that scale,
     * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients,
 
-    and keeps the scales in :attr:`history` (``{step: {layer: log2 scale}}``, saved in checkpoints).
-    When training ends it writes to the run's log directory (``trainer.log_dir``) a layer × step
-    heatmap of the scales (the paper's Figure 3b), their mean ± std per layer (Figure 2) and the
+    * ``gs/total/<layer>``: log2 of the accumulated scale its outgoing gradient carries (its own
+      scale times those of every layer after it in the forward pass),
+
+    and keeps the scales in :attr:`history` (``{step: {layer: log2 scale}}``) and the accumulated
+    ones in :attr:`totals`, both saved in checkpoints. When training ends it writes to the run's log
+    directory (``trainer.log_dir``) a layer × step heatmap of the scales (the paper's Figure 3b),
+    the mean ± std per layer of the local and the accumulated scales (Figure 2) and the local
     history as ``scale_history.csv``. With a :class:`~lightning.pytorch.loggers.WandbLogger` the
     two figures are also logged as images and the history as one line-series chart per layer group.
 
@@ -52,6 +63,7 @@ class GradientScalingCallback(Callback):
             raise ValueError(f"GradientScalingCallback: log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
         self.history: dict[int, dict[str, float]] = {}
+        self.totals: dict[int, dict[str, float]] = {}
         self.plot_paths: list[Path] = []
         self.history_path: Path | None = None
         self._scaler: GradientScaler | None = None
@@ -95,7 +107,7 @@ class GradientScalingCallback(Callback):
         out = Path(log_dir if log_dir is not None else trainer.default_root_dir)
         self.plot_paths = [
             plot_scale_heatmap(self.history, out / HEATMAP_FILE),
-            plot_scale_mean_std(self.history, out / MEAN_STD_FILE),
+            plot_scale_mean_std(self.history, out / MEAN_STD_FILE, totals=self.totals),
         ]
         self.history_path = save_scale_history(self.history, out / HISTORY_FILE)
         for logger in trainer.loggers:
@@ -104,17 +116,23 @@ class GradientScalingCallback(Callback):
         rank_zero_info(f"GradientScalingCallback: wrote {', '.join(str(p) for p in [*self.plot_paths, self.history_path])}")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {step: dict(scales) for step, scales in self.history.items()}}
+        return {
+            "history": {step: dict(scales) for step, scales in self.history.items()},
+            "totals": {step: dict(scales) for step, scales in self.totals.items()},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = {int(step): dict(scales) for step, scales in state_dict["history"].items()}
+        self.totals = {int(step): dict(scales) for step, scales in state_dict.get("totals", {}).items()}
 
     def _record(self, trainer: pl.Trainer, scaler: GradientScaler, step: int) -> None:
         layers = scaler.layers()
         if not layers:  # no update has run yet: nothing chosen
             return
         self.history[step] = {layer.name: float(layer.log2_scale) for layer in layers}
+        self.totals[step] = {layer.name: float(layer.log2_total) for layer in layers}
         metrics = {f"gs/scale/{layer.name}": float(layer.log2_scale) for layer in layers}
+        metrics.update({f"gs/total/{layer.name}": float(layer.log2_total) for layer in layers})
         metrics.update({f"gs/underflow/{layer.name}": layer.underflow_rate for layer in layers})
         metrics["gs/skipped_steps"] = float(scaler.skipped_steps)
         for logger in trainer.loggers:
@@ -134,3 +152,63 @@ def _log_to_wandb(logger: WandbLogger, history: dict[int, dict[str, float]], plo
             xs=xs, ys=ys, keys=layers, title=f"log2 gradient scale: {group}", xname="step"
         )
     logger.log_metrics(media, step=step)
+
+
+class RandomStateCallback(Callback):
+    """Saves the states of torch's, numpy's and Python's random generators in every checkpoint and
+    restores them when training resumes from one.
+
+    Lightning's checkpoints hold weights, optimizers, schedulers and loop counters but no generator
+    state, so a resumed run otherwise draws other random numbers (augmentation in the main process,
+    dropout) than an uninterrupted one. Together with Lightning's ``seed_everything(workers=True)``
+    and loaders that shuffle by ``(seed, epoch)`` (:class:`~gs_lightning.data.base.EpochShuffleSampler`,
+    which also fixes the workers' seeds), a run resumed from a checkpoint written at an epoch
+    boundary ends bit-identical to an uninterrupted one on the CPU.
+
+    It also numbers the training samplers' epochs by ``trainer.current_epoch`` (see
+    :meth:`on_train_epoch_start`). The states are restored when training starts, after the sanity-check validation, which would
+    otherwise draw from them first. They are stored as tensors and plain numbers, so a checkpoint
+    loads with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": {
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "position": int(position),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gaussian),
+            },
+            "python": random.getstate(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning numbers the samplers' epochs by its count of processed epochs, which runs one
+        # ahead of ``current_epoch`` after resuming from a checkpoint written at an epoch's end: the
+        # resumed run would shuffle as the epoch after. Number them by ``current_epoch`` (the loader's
+        # iterator is created after this hook).
+        apply_to_collection(trainer.train_dataloader, DataLoader, _set_sampler_epoch, trainer.current_epoch)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is None:
+            return
+        state, self._pending = self._pending, None
+        torch.set_rng_state(state["torch"])
+        numpy = state["numpy"]
+        keys = numpy["keys"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])

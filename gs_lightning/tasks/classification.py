@@ -71,7 +71,8 @@ class ClassificationTask(L.LightningModule):
     """Train and evaluate an image classifier (e.g. :func:`gs_lightning.models.resnet.build_resnet`).
 
     Batches are ``(images [N, 3, H, W] float, labels [N] int64)``. Logs ``train/loss``,
-    ``val/loss``, ``val/top1`` and ``val/top5`` (top-k clamped to ``num_classes``).
+    ``val/loss``, ``val/top1`` and ``val/top5`` (top-k clamped to ``num_classes``), and the same
+    under ``test/`` in ``trainer.test``.
 
     The schedule is defined in epochs but stepped every optimizer step: steps per epoch =
     ``trainer.estimated_stepping_batches / max_epochs``, so a run cut short with
@@ -110,6 +111,8 @@ class ClassificationTask(L.LightningModule):
         self.model = model
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
 
     def forward(self, images: Tensor) -> Tensor:
         """Logits [N, num_classes] of a batch of images."""
@@ -122,16 +125,23 @@ class ClassificationTask(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=images.size(0))
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        """Loss and top-1/top-5 accuracy, aggregated over the epoch."""
+    def _evaluate(self, batch: tuple[Tensor, Tensor], prefix: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
         images, labels = batch
         logits = self(images)
         batch_size = images.size(0)
-        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=batch_size)
-        self.val_top1(logits, labels)
-        self.val_top5(logits, labels)
-        self.log("val/top1", self.val_top1, prog_bar=True, batch_size=batch_size)
-        self.log("val/top5", self.val_top5, batch_size=batch_size)
+        self.log(f"{prefix}/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=batch_size)
+        top1(logits, labels)
+        top5(logits, labels)
+        self.log(f"{prefix}/top1", top1, prog_bar=prefix == "val", batch_size=batch_size)
+        self.log(f"{prefix}/top5", top5, batch_size=batch_size)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """Loss and top-1/top-5 accuracy, aggregated over the epoch."""
+        self._evaluate(batch, "val", self.val_top1, self.val_top5)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """As :meth:`validation_step`, logged under ``test/`` (for ImageNet on the validation images)."""
+        self._evaluate(batch, "test", self.test_top1, self.test_top5)
 
     def scaled_lr(self) -> float:
         """``base_lr * global_batch / reference_batch_size`` for the attached trainer."""

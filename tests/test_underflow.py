@@ -1,0 +1,192 @@
+"""Underflow statistics where the paper's models do not fit (issue #8, item 2).
+
+Monte Carlo against exact fp32 gradients: the measured underflow at the chosen power-of-two scale
+must stay ≤ 2γ' for Gaussian, log-normal, Laplace, sparse and softmax cross-entropy gradients and
+accumulation lengths 1..4096, where Theorem 1 / Theorem 2 (the rules before) exceed it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import integrate, special, stats
+from torch import nn
+
+from gs_lightning.analysis import underflow_mc as mc
+from gs_lightning.scaling import probes, underflow
+
+LAMBDA = mc.LAMBDA_MIN
+TARGET = mc.TARGET
+LIMIT = 2 * TARGET  # issue #8's bar for measured underflow
+
+
+# --- the exact distribution of a sum of N Gaussian products -------------------------------------
+
+
+@pytest.mark.parametrize("x", [1e-5, 1e-3, 0.1, 2.0])
+def test_product_sum_cdf_matches_closed_forms(x: float) -> None:
+    # N = 2 is Laplace(0, 1); N = 1 the product-normal law, density K0(|z|)/π; N = 3 variance-gamma.
+    assert underflow.product_sum_cdf(x, 2) == pytest.approx(-math.expm1(-x), rel=1e-10)
+    product_normal = 2 / math.pi * integrate.quad(special.k0, 0, x)[0]
+    assert underflow.product_sum_cdf(x, 1) == pytest.approx(product_normal, rel=1e-8)
+    variance_gamma = integrate.quad(lambda z: 2 * z * special.kv(1, z) / (math.sqrt(math.pi) * special.gamma(1.5) * 2), 0, x)[0]
+    assert underflow.product_sum_cdf(x, 3) == pytest.approx(variance_gamma, rel=1e-7)
+
+
+def test_product_sum_tends_to_theorem1_for_long_sums() -> None:
+    for n, tolerance in ((256, 5e-3), (4095, 3e-4)):
+        x = math.sqrt(n) * 0.01  # the γ ≈ 0.8% point
+        assert underflow.product_sum_cdf(x, n) == pytest.approx(math.erf(0.01 / math.sqrt(2)), rel=tolerance)
+    # From GAUSSIAN_ACCUMULATION_LENGTH on, Theorem 1 itself: no change to the paper's scales.
+    sigma = 3e-6
+    paper = underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET)
+    assert underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4096) == paper
+    assert underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4095) == pytest.approx(paper, abs=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 16, 256])
+def test_quantile_inverts_cdf_and_rate_matches_scale(n: int) -> None:
+    q = underflow.product_sum_quantile(TARGET, n)
+    assert underflow.product_sum_cdf(q, n) == pytest.approx(TARGET, rel=1e-6)
+    sigma = 1e-7
+    k = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=n), math.inf)
+    rates = [underflow.gemm_underflow_rate(e, sigma, LAMBDA, accumulation_length=n) for e in (k, k - 1)]
+    assert rates[0] <= TARGET < rates[1]
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="target"):
+        underflow.gemm_min_log2_scale(1e-3, LAMBDA, 1.5, accumulation_length=4)
+    with pytest.raises(ValueError, match="accumulation_length"):
+        underflow.gemm_min_log2_scale(1e-3, LAMBDA, TARGET, accumulation_length=0)
+    with pytest.raises(ValueError, match="target"):
+        underflow.sample_min_log2_scale(torch.ones(4), LAMBDA, 0.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 16, 256, 4096])
+def test_gemm_model_meets_target_for_gaussian_operands(n: int) -> None:
+    """∇X = ∇Y·W with Gaussian ∇Y and W: Theorem 1 misses for N ≤ 2, the exact model never does."""
+    generator = torch.Generator().manual_seed(n)
+    grad = torch.randn(256, n, generator=generator) * 2.0**-24
+    weight = torch.randn(n, 256, generator=generator)
+    exact = grad @ weight
+    sigma = underflow.gemm_sigma(n, grad.pow(2).mean().sqrt().item(), weight.pow(2).mean().sqrt().item())
+    k = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=n), math.inf)
+    assert underflow.sample_underflow_rate(exact, k, LAMBDA) <= LIMIT
+    paper = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET), math.inf)
+    if n == 1:
+        assert underflow.sample_underflow_rate(exact, paper, LAMBDA) > LIMIT
+
+
+# --- the issue's two numbers: the failing baselines, and the fix ---------------------------------
+
+
+def test_cast_of_gaussian_gradient_theorem2_fails_order_statistic_holds() -> None:
+    """Issue #8: Theorem 2's log-normal fit on a Gaussian gradient at a cast measured 7.8e-3."""
+    theorem2, order_statistic = mc.cast_rates("gaussian")
+    assert theorem2 > 4 * TARGET
+    assert order_statistic <= LIMIT
+
+
+def test_linear_1024_to_1_input_gradient() -> None:
+    """Issue #8: the input gradient of Linear(1024, 1), N = 1, measured 6.4e-3 under Theorem 1.
+
+    Each element of ∇X is one product ∇Y_r · W_j of two Gaussians (a trained head's weights).
+    """
+    generator = torch.Generator().manual_seed(0)
+    head = nn.Linear(1024, 1)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1, 1024, generator=generator) * 0.03)
+    x = torch.randn(256, 1024, generator=generator, requires_grad=True)
+    y = head(x)
+    node, samples = y.grad_fn, []
+    node.register_prehook(lambda grads: samples.append(probes.probe(node, grads[0], 1, None, elements=2**12)))
+    grad = torch.randn(256, 1, generator=generator) * 2.0**-24
+    y.backward(grad)
+    sigma = underflow.gemm_sigma(1, grad.pow(2).mean().sqrt().item(), head.weight.pow(2).mean().sqrt().item())
+
+    def measured(lower: float) -> float:
+        return underflow.sample_underflow_rate(x.grad, underflow.choose_log2_scale(lower, math.inf), LAMBDA)
+
+    assert measured(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET)) > 1.5 * LIMIT
+    assert measured(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=1)) <= LIMIT
+    assert measured(underflow.sample_min_log2_scale(samples[0], LAMBDA, TARGET)) <= LIMIT
+
+
+# --- Monte Carlo over gradient distributions × accumulation lengths × operators -------------------
+
+
+@pytest.mark.parametrize("op", sorted(mc.OPS))
+def test_probe_and_max_rule_meet_target_everywhere(op: str) -> None:
+    """The probe sees 2^11 of the 2^14 values of ∇X; its scale, alone or maxed with the model's, holds for all."""
+    failures = []
+    for kind in mc.GRADIENTS:
+        for n in mc.ACCUMULATION_LENGTHS:
+            rates = mc.gemm_rates(mc.gemm_trial(op, kind, n, rows=128, columns=128, probe_elements=2**11, seed=1))
+            if max(rates.probe, rates.combined) > LIMIT:
+                failures.append((kind, n, rates))
+            if kind == "gaussian" and rates.model > LIMIT:
+                failures.append((kind, n, rates))
+    assert not failures
+
+
+def test_theorem1_alone_misses_for_non_gaussian_gradients() -> None:
+    """What the probe is for: Theorem 1 leaves 10-200× γ' for softmax cross-entropy gradients at small N."""
+    rates = mc.gemm_rates(mc.gemm_trial("linear", "softmax-ce", 4, rows=128, columns=128, probe_elements=2**11))
+    assert rates.paper > 10 * LIMIT
+    assert rates.combined <= LIMIT
+
+
+# --- the order statistic ---------------------------------------------------------------------------
+
+
+def test_sample_underflow_rate_counts_nonzero_values_below_lambda() -> None:
+    values = torch.tensor([0.0, 2.0**-15, 2.0**-14, 2.0**-13, -(2.0**-16)])
+    assert underflow.sample_underflow_rate(values, 0, LAMBDA) == 0.5
+    assert underflow.sample_underflow_rate(values, 1, LAMBDA) == 0.25
+    assert underflow.sample_underflow_rate(torch.zeros(3), 5, LAMBDA) == 0.0
+
+
+def test_sample_min_log2_scale_on_known_values() -> None:
+    assert underflow.sample_min_log2_scale(torch.zeros(10), LAMBDA, TARGET) == -math.inf
+    # 2^20 values 1..2^20 (scaled): the rank is the confident one, and it leaves ≤ target below λ.
+    values = torch.arange(1, 2**20 + 1, dtype=torch.float32) * 2.0**-40
+    n = values.numel()
+    rank = underflow.confident_rank(n, TARGET, underflow.CONFIDENCE_RISK)
+    assert stats.binom.cdf(rank - 1, n, TARGET) <= underflow.CONFIDENCE_RISK < stats.binom.cdf(rank, n, TARGET)
+    lower = underflow.sample_min_log2_scale(values, LAMBDA, TARGET)
+    assert lower == pytest.approx(math.log2(LAMBDA / (rank * 2.0**-40)))
+    assert underflow.sample_underflow_rate(values, math.ceil(lower), LAMBDA) <= TARGET
+
+
+def test_huge_tensors_are_subsampled_with_a_stride() -> None:
+    values = torch.randn(3 * underflow.SAMPLE_LIMIT, generator=torch.Generator().manual_seed(4))
+    strided = values[:: math.ceil(values.numel() / underflow.SAMPLE_LIMIT)]
+    assert underflow.sample_min_log2_scale(values, LAMBDA, TARGET) == underflow.sample_min_log2_scale(strided, LAMBDA, TARGET)
+
+
+_DISTRIBUTIONS = {
+    "gaussian": lambda n, g: torch.randn(n, generator=g),
+    "laplace": lambda n, g: torch.log1p(-torch.rand(n, generator=g)),
+    "log-normal": lambda n, g: torch.exp(2 * torch.randn(n, generator=g)),
+    "product-normal": lambda n, g: torch.randn(n, generator=g) * torch.randn(n, generator=g),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_DISTRIBUTIONS))
+def test_small_samples_generalise(kind: str) -> None:
+    """Scale chosen on n values, measured on the distribution (a 2^21 reference draw): the scale is reused."""
+    generator = torch.Generator().manual_seed(5)
+    draw = _DISTRIBUTIONS[kind]
+    reference = draw(2**21, generator).abs().sort().values
+    for n in (50, 300, 3000):
+        rates = []
+        for _ in range(100):
+            k = underflow.choose_log2_scale(underflow.sample_min_log2_scale(draw(n, generator) * 2.0**-24, LAMBDA, TARGET), math.inf)
+            threshold = torch.tensor(LAMBDA * 2.0**-k / 2.0**-24)
+            rates.append(torch.searchsorted(reference, threshold).item() / reference.numel())
+        rates = torch.tensor(rates)
+        assert rates.mean() <= TARGET, (n, rates.mean())
+        assert rates.quantile(0.9) <= LIMIT, (n, rates.quantile(0.9))

@@ -199,6 +199,18 @@ WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], li
     "MmBackward0": _mm_weight_grad_bounds,
 }
 
+# Fused kernels that compute several GEMMs in low precision inside one node, and the edges whose
+# gradients an exact fp32 probe (``probes.py``) can compute: query, key, value of fused attention;
+# input (and, for oneDNN, initial hidden and cell states) of fused RNNs.
+ATTENTION_NODES = (
+    "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductFlashAttentionBackward0",
+    "ScaledDotProductEfficientAttentionBackward0",
+    "ScaledDotProductCudnnAttentionBackward0",
+)
+RNN_NODES = {"MkldnnRnnLayerBackward0": (0, 5, 6), "CudnnRnnBackward0": (0,)}
+FUSED_EDGES: dict[str, tuple[int, ...]] = {**dict.fromkeys(ATTENTION_NODES, (0, 1, 2)), **RNN_NODES}
+
 # Reentrant activation checkpointing: its backward runs a second backward over a graph this walk
 # never sees, which accumulates straight into the parameters' ``.grad``. Its incoming gradient is
 # brought back to scale 1, so that graph runs unscaled and its parameters get true gradients.
@@ -223,6 +235,7 @@ class GraphAnalysis:
         slots: Node index -> the input slots that receive gradients.
         leaves: Indices of ``AccumulateGrad`` nodes.
         layer_names: Name of every GEMM, cast, unscaling and opaque node, for reporting.
+        fused: Node index -> the probed edges of a fused attention or RNN node (``FUSED_EDGES``).
         unscaling: Nodes whose incoming gradient is brought back to scale 1 (``UNSCALING_NODES``).
         opaque: Nodes this walk cannot see into (custom autograd Functions, compiled regions,
             fused kernels without a model): their gradients pass through with the scale they carry.
@@ -237,6 +250,7 @@ class GraphAnalysis:
     slots: dict[int, set[int]] = field(default_factory=dict)
     leaves: set[int] = field(default_factory=set)
     layer_names: dict[int, str] = field(default_factory=dict)
+    fused: dict[int, tuple[int, ...]] = field(default_factory=dict)
     unscaling: set[int] = field(default_factory=set)
     opaque: set[int] = field(default_factory=set)
     leaf_sources: dict[int, int] = field(default_factory=dict)
@@ -317,6 +331,12 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
             analysis.gemms[i] = data_edges
             analysis.weight_edges[i] = tuple(k for k, e in enumerate(edges) if e is not None and _leaf_reached(graph, e[0]) is not None)
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
+        elif name in FUSED_EDGES:
+            edges = graph.edges[i]
+            analysis.fused[i] = tuple(k for k in FUSED_EDGES[name] if k < len(edges) and edges[k] is not None)
+            own_name = _gemm_layer_name(graph, i, module_names)  # an RNN's weights; attention has none
+            if own_name is not None:
+                analysis.layer_names[i] = unique(own_name)
         elif name in UNSCALING_NODES:
             analysis.unscaling.add(i)
             analysis.layer_names[i] = unique(name)
@@ -329,6 +349,9 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
         for edge in edges:
             if edge is not None and edge[0] in analysis.leaves and graph.in_counts[edge] == 1:
                 analysis.leaf_sources[edge[0]] = i
+    for i in sorted(analysis.fused.keys() - analysis.layer_names.keys()):
+        producer = _nearest_gemm(graph, i, analysis)  # attention is named after its input projection
+        analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.attention" if producer is not None else "attention")
     for i in sorted(analysis.casts):
         producer = _nearest_gemm(graph, i, analysis)
         analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.cast" if producer is not None else "cast")
@@ -356,7 +379,7 @@ def _nearest_gemm(graph: AutogradGraph, start: int, analysis: GraphAnalysis, lim
             for edge in graph.edges[i]:
                 if edge is None or edge[0] in visited:
                     continue
-                if edge[0] in analysis.gemms:
+                if edge[0] in analysis.gemms or edge[0] in analysis.fused:
                     return edge[0]
                 visited.add(edge[0])
                 nxt.append(edge[0])

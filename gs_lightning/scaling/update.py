@@ -15,17 +15,18 @@ from functools import partial
 
 import torch
 
-from gs_lightning.scaling.graph import GEMM_OPERANDS, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis, Slot
 from gs_lightning.scaling.plan import ScalePlan, edge_shift, times_pow2
+from gs_lightning.scaling.probes import probe, rnn_probe
 from gs_lightning.scaling.underflow import (
     branch_log2_scale,
-    cast_min_log2_scale,
-    cast_underflow_rate,
     choose_log2_scale,
     gemm_min_log2_scale,
     gemm_sigma,
     gemm_underflow_rate,
     overflow_max_log2_scale,
+    sample_min_log2_scale,
+    sample_underflow_rate,
 )
 
 
@@ -56,7 +57,7 @@ class LayerScale:
 
     Attributes:
         name: Layer name (qualified module name where known, ``".cast"`` appended for casts).
-        kind: ``"gemm"``, ``"cast"``, ``"unscaled"`` (brought back to scale 1: reentrant
+        kind: ``"gemm"``, ``"cast"``, ``"attention"``, ``"rnn"``, ``"unscaled"`` (brought back to scale 1: reentrant
             checkpointing) or ``"opaque"`` (passed through unscaled: a custom Function or a compiled
             region).
         log2_scale: log2 of the local scale β.
@@ -117,7 +118,7 @@ class UpdateRun:
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles."""
         a = self.analysis
-        decides = a.gemms.keys() | a.casts | a.merge_nodes | a.unscaling | a.opaque
+        decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.unscaling | a.opaque
         handles = []
         for i, node in enumerate(self.graph.nodes):
             if i in a.leaves:
@@ -152,12 +153,12 @@ class UpdateRun:
         if present and i in a.layer_names:
             grad = grads[present[0][0]]
             self._finite_flags.append((a.layer_names[i], torch.isfinite(absmax(grad))))
-            beta = self._decide(i, grad, alpha)
+            beta = self._decide(i, grad, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
-    def _decide(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+    def _decide(self, i: int, grad: torch.Tensor, grads: list[torch.Tensor], alpha: int) -> int:
         a, name = self.analysis, self.analysis.layer_names[i]
         if i in a.unscaling:
             self.layers.append(LayerScale(name, "unscaled", -alpha, 0, math.nan))
@@ -166,7 +167,11 @@ class UpdateRun:
             self.layers.append(LayerScale(name, "opaque", 0, alpha, math.nan))
             return 0
         try:
-            return self._gemm_scale(i, grad, alpha) if i in a.gemms else self._cast_scale(i, grad, alpha)
+            if i in a.gemms:
+                return self._gemm_scale(i, grad, alpha)
+            if i in a.fused:
+                return self._fused_scale(i, grad, alpha, grads)
+            return self._cast_scale(i, grad, alpha)
         except Exception as error:  # never crash training: this node passes its scale through
             node_type = self.graph.names[i]
             self._warn(
@@ -230,52 +235,72 @@ class UpdateRun:
         return min(caps) if caps else None
 
     def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+        """Theorem 1 (exact for small N) and the probed output: the larger scale of the two."""
         s, name = self.settings, self.graph.names[i]
         operand_of = GEMM_OPERANDS[name]
-        operands = [operand_of[k](self.graph, i, grad) for k in self.analysis.gemms[i]]
-        operands = [op for op in operands if op.operand is not None]
+        operands = [(k, operand_of[k](self.graph, i, grad)) for k in self.analysis.gemms[i]]
+        operands = [(k, op) for k, op in operands if op.operand is not None]
         if not operands:  # the first layer (no activation gradient leaves it), or operands unreadable
             return 0
         node = self.graph.nodes[i]
+        samples = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
         weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else []
         grad_rms, grad_max, *values = stats(
-            rms(grad), absmax(grad), *(f(op.operand) for op in operands for f in (rms, absmax)), *weight_bounds
+            rms(grad), absmax(grad), *(f(op.operand) for _, op in operands for f in (rms, absmax)), *weight_bounds
         )
+        if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
+            return self._non_finite(i, "gemm", alpha)
         operand_stats, weight_stats = values[: 2 * len(operands)], values[2 * len(operands) :]
-        sigmas = [
-            gemm_sigma(s.relu_factor * op.accumulation_length, grad_rms, operand_stats[2 * k])
-            for k, op in enumerate(operands)
-        ]
-        lower = max(gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate) for sigma in sigmas)
+        lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
+        sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
+        lower = max(
+            [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
+            + [sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples]
+        )
         upper = min(
             [overflow_max_log2_scale(grad_max, s.lambda_max)]
             + [
                 overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * k + 1], s.lambda_max)
-                for k, op in enumerate(operands)
+                for k, (_, op) in enumerate(operands)
             ]
             + [overflow_max_log2_scale(bound, s.lambda_max) for bound in weight_stats]
         )
         beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
-        rate = max(gemm_underflow_rate(beta, sigma, s.lambda_min) for sigma in sigmas)
+        rate = max(
+            [gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
+            + [sample_underflow_rate(v, beta, s.lambda_min) for v in samples]
+        )
         self.layers.append(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate))
         return beta
 
     def _cast_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+        """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others)."""
+        return self._sampled_scale(i, "cast", [grad], grad, alpha)
+
+    def _fused_scale(self, i: int, grad: torch.Tensor, alpha: int, grads: list[torch.Tensor]) -> int:
+        """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
+        node, name = self.graph.nodes[i], self.graph.names[i]
+        if name in RNN_NODES:
+            kind, samples = "rnn", [rnn_probe(node, grads, k) for k in self.analysis.fused[i]]
+        else:
+            kind, samples = "attention", [probe(node, grad, k, None) for k in self.analysis.fused[i]]
+        return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad, alpha)
+
+    def _non_finite(self, i: int, kind: str, alpha: int) -> int:
+        """No decision (no finite statistics to decide on): the scale passes through."""
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, alpha, math.nan))
+        return 0
+
+    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad: torch.Tensor, alpha: int) -> int:
         s = self.settings
-        magnitude = grad.detach().abs().float()
-        nonzero = magnitude > 0
-        count = nonzero.sum()
-        logs = torch.where(nonzero, magnitude.log(), 0.0)
-        mean = logs.sum() / count.clamp(min=1)
-        var = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)
-        n, log_mean, log_var, largest = stats(count, mean, var, magnitude.max())
-        if n < 2:
-            self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", 0, alpha, 0.0))
-            return 0
-        log_std = math.sqrt(log_var)
-        lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
-        upper = overflow_max_log2_scale(largest, s.lambda_max)
+        if not samples:
+            return self._non_finite(i, kind, alpha)
+        (grad_max, *sample_max) = stats(absmax(grad), *(absmax(v) for v in samples))
+        if not all(map(math.isfinite, (grad_max, *sample_max))):
+            return self._non_finite(i, kind, alpha)
+        lower = max(sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples)
+        upper = min(overflow_max_log2_scale(m, s.lambda_max) for m in (grad_max, *sample_max))
         beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
-        rate = cast_underflow_rate(beta, log_mean, log_std, s.lambda_min)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate))
+        rate = max(sample_underflow_rate(v, beta, s.lambda_min) for v in samples)
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate))
         return beta

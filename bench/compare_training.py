@@ -1,0 +1,272 @@
+"""GS beside every baseline, trained on small versions of the paper's three experiments (issue 11).
+
+Trains each (task, method, seed) from the same initial weights on the same batches, for a fixed
+number of steps, under CPU emulation of fp16 (and of fp8 gradients): ``gs_lightning.simulate``.
+Methods:
+
+* fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
+  scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS;
+* e5m2 gradients (every gradient a backward GEMM produces rounded to float8_e5m2): none, fixed
+  loss scale 4096, dynamic loss scale, per-tensor amax (Transformer Engine's delayed scaling)
+  alone and under a dynamic loss scale, GS with ``dtype=float8_e5m2``; optionally GS with e4m3fn.
+
+Per method it reports the test metric (mean ± std over seeds), skipped steps, the mean underflow
+of the gradients backward GEMMs produce (fraction of nonzero exact values rounded to zero,
+averaged over tensors, sampled every ``--underflow-every`` steps), and wall time per run; it
+plots the training-loss curves (mean over seeds) per task.
+
+    python bench/compare_training.py --quick            # every method, tiny, < 3 min
+    python bench/compare_training.py --tasks segnet --json segnet.json   # one task's runs
+    python bench/compare_training.py --report segnet.json resnet.json ssd.json --plots docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from _training_tasks import BUILDERS, TASKS, Task
+from torch import nn
+
+from gs_lightning import GradientScaler
+from gs_lightning.simulate import DelayedScaling, UnderflowMeter, emulate
+from gs_lightning.simulate.methods import (
+    DynamicLossScale,
+    FixedLossScale,
+    NoScaling,
+    PerTensorAmaxScaling,
+)
+
+E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: how the forward runs and which gradient method backpropagates.
+
+    Attributes:
+        key: Command-line name, e.g. ``"e5m2-gs"``.
+        grads: Gradient format column: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"e5m2"``, ``"e4m3fn"``.
+        label: What the table prints.
+        autocast: Autocast dtype (``None``: plain fp32).
+        emulated: Whether fp16 GEMMs run under :class:`~gs_lightning.simulate.emulate`.
+        grad_dtype: Format of the gradients backward GEMMs produce (emulated methods).
+        make: ``model -> training method`` (``backward``, ``step``, ``skipped_steps``).
+    """
+
+    key: str
+    grads: str
+    label: str
+    autocast: torch.dtype | None
+    emulated: bool
+    grad_dtype: torch.dtype | None
+    make: Callable[[nn.Module], Any]
+
+
+def _methods() -> dict[str, Method]:
+    f16 = torch.float16
+    rows = [
+        Method("fp32", "fp32", "fp32 (reference)", None, False, None, lambda m: NoScaling()),
+        Method("bf16", "bf16", "bf16 (real CPU kernels)", torch.bfloat16, False, None, lambda m: NoScaling()),
+        Method("fp16-none", "fp16", "no scaling", f16, True, None, lambda m: NoScaling()),
+        Method("fp16-fixed128", "fp16", "fixed loss scale 128", f16, True, None, lambda m: FixedLossScale(128)),
+        Method("fp16-fixed4096", "fp16", "fixed loss scale 4096", f16, True, None, lambda m: FixedLossScale(4096)),
+        Method("fp16-dynamic", "fp16", "dynamic loss scale", f16, True, None, lambda m: DynamicLossScale()),
+        Method("fp16-gs", "fp16", "GS", f16, True, None, lambda m: GradientScaler(m)),
+        Method("e5m2-none", "e5m2", "no scaling", f16, True, E5M2, lambda m: NoScaling()),
+        Method("e5m2-fixed4096", "e5m2", "fixed loss scale 4096", f16, True, E5M2, lambda m: FixedLossScale(4096)),
+        Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
+        Method("e5m2-amax", "e5m2", "per-tensor amax (TE delayed)", f16, True, E5M2, lambda m: PerTensorAmaxScaling()),
+        Method(
+            "e5m2-amax-dynamic", "e5m2", "per-tensor amax + dynamic loss scale", f16, True, E5M2,
+            lambda m: DynamicLossScale(grad_scaling=DelayedScaling()),
+        ),
+        Method("e5m2-gs", "e5m2", "GS", f16, True, E5M2, lambda m: GradientScaler(m, dtype=E5M2)),
+        Method("e4m3-gs", "e4m3fn", "GS", f16, True, E4M3, lambda m: GradientScaler(m, dtype=E4M3)),
+    ]
+    return {m.key: m for m in rows}
+
+
+METHODS = _methods()
+DEFAULT_METHODS = tuple(k for k in METHODS if k != "e4m3-gs")
+
+
+@dataclass
+class Run:
+    """One training run's results."""
+
+    task: str
+    method: str
+    seed: int
+    metric_name: str
+    metric: float
+    skipped_steps: int
+    underflow: float | None  # mean over sampled steps of the mean over GEMM gradient tensors
+    seconds: float
+    losses: list[float] = field(repr=False)
+
+
+def train(task: Task, method: Method, seed: int, steps: int, underflow_every: int) -> Run:
+    """Train ``task`` with ``method`` from seed ``seed`` for ``steps`` steps; evaluate in fp32."""
+    model = task.build(seed)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
+    trainer = method.make(model)
+    meter = UnderflowMeter()
+    emulation = emulate(torch.float16, method.grad_dtype, grad_scaling=getattr(trainer, "grad_scaling", None)) if method.emulated else None
+    generator = torch.Generator().manual_seed(seed)
+    n = len(task.train[0])
+    order = torch.randperm(n, generator=generator)
+    position, losses, underflow = 0, [], []
+    start = time.perf_counter()
+    for step in range(steps):
+        if position + task.batch_size > n:
+            order, position = torch.randperm(n, generator=generator), 0
+        images, targets = task.batch(order[position : position + task.batch_size])
+        position += task.batch_size
+        sample = emulation is not None and step % underflow_every == 0
+        if emulation is not None:
+            emulation.underflow = meter if sample else None
+        optimizer.zero_grad(set_to_none=True)
+        with emulation if emulation is not None else nullcontext():
+            with torch.autocast("cpu", dtype=method.autocast or torch.float32, enabled=method.autocast is not None):
+                loss = task.loss(model, images, targets)
+            trainer.backward(loss)
+        trainer.step(optimizer)
+        losses.append(loss.item())
+        if sample:
+            fractions = meter.collect()
+            underflow.append(statistics.fmean(fractions) if fractions else 0.0)
+    seconds = time.perf_counter() - start
+    model.eval()
+    metric = task.evaluate(model)
+    return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None, seconds, losses)
+
+
+def _mean_std(values: list[float]) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return "nan"
+    mean = statistics.fmean(finite)
+    std = statistics.stdev(finite) if len(finite) > 1 else 0.0
+    return f"{mean:.3f} ± {std:.3f}" + ("" if len(finite) == len(values) else f" ({len(values) - len(finite)} nan)")
+
+
+def table(runs: list[Run]) -> str:
+    """The markdown table: one row per (task, method), seeds aggregated."""
+    metric_of = {r.task: r.metric_name for r in runs}
+    lines = [
+        "| task | gradients | method | metric (mean ± std) | skipped steps | GEMM-gradient underflow | s / run |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for task in dict.fromkeys(r.task for r in runs):
+        for key in dict.fromkeys(r.method for r in runs if r.task == task):
+            rs = [r for r in runs if r.task == task and r.method == key]
+            method = METHODS[key]
+            under = [r.underflow for r in rs if r.underflow is not None]
+            lines.append(
+                f"| {task} | {method.grads} | {method.label} | {metric_of[task]} {_mean_std([r.metric for r in rs])} "
+                f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} "
+                f"| {f'{100 * statistics.fmean(under):.2f}%' if under else '—'} "
+                f"| {statistics.fmean(r.seconds for r in rs):.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], folder: Path) -> list[Path]:
+    """Training-loss curves (mean over seeds, smoothed), one PNG per task, fp16 and fp8 panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for task in dict.fromkeys(r.task for r in runs):
+        groups = {"fp16 gradients": ("fp32", "bf16", "fp16"), "fp8 gradients": ("fp32", "e5m2", "e4m3fn")}
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+        for ax, (title, grads) in zip(axes, groups.items()):
+            for key in dict.fromkeys(r.method for r in runs if r.task == task):
+                method = METHODS[key]
+                if method.grads not in grads:
+                    continue
+                curves = torch.tensor([r.losses for r in runs if r.task == task and r.method == key], dtype=torch.float64)
+                mean = curves.mean(0)
+                window = max(1, len(mean) // 30)
+                smooth = torch.nn.functional.avg_pool1d(mean[None, None], window, 1).flatten()
+                ax.plot(range(window - 1, len(mean)), smooth.numpy(), label=f"{method.grads} {method.label}",
+                        linestyle="--" if method.grads in ("fp32", "bf16") else "-")
+            ax.set_title(f"{task}: {title}")
+            ax.set_xlabel("step")
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        axes[0].set_ylabel("training loss (mean over seeds)")
+        fig.tight_layout()
+        path = folder / f"compare_training_{task}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> list[Run]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny datasets, 20 steps, 1 seed: every method in < 3 min")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 20)")
+    parser.add_argument("--underflow-every", type=int, default=10, help="sample GEMM-gradient underflow every N steps")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gs_lightning_compare", help="generated datasets")
+    parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG curves (none if unset)")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's results here")
+    parser.add_argument("--report", type=Path, nargs="+", default=None, help="train nothing: table and plots of these --json files")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a shared machine; run tasks in parallel)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.report is not None:
+        runs = [Run(**run) for path in args.report for run in json.loads(path.read_text())]
+        return _report(runs, args.plots)
+    seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    steps = args.steps if args.steps is not None else (20 if args.quick else 300)
+    methods = [METHODS[k] for k in (args.methods or DEFAULT_METHODS)]
+    if seeds < 1 or steps < 1:
+        parser.error(f"--seeds and --steps must be positive, got {seeds} and {steps}")
+
+    tasks = [BUILDERS[name](args.cache, args.quick) for name in args.tasks]
+    runs = []
+    total = time.perf_counter()
+    for task in tasks:
+        for method in methods:
+            for seed in range(seeds):
+                run = train(task, method, seed, steps, args.underflow_every)
+                runs.append(run)
+                print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
+                      f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}, "
+                      f"{run.seconds:.1f} s", flush=True)
+    print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    return _report(runs, args.plots)
+
+
+def _report(runs: list[Run], plots: Path | None) -> list[Run]:
+    print(table(runs))
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+        for path in plot(runs, plots):
+            print(f"wrote {path}")
+    return runs
+
+
+if __name__ == "__main__":
+    main()

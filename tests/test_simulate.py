@@ -1,0 +1,236 @@
+"""Emulated fp16 / fp8-gradient GEMMs (gs_lightning.simulate) and the fp8 gradient baselines."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nets import PlainCNN, SegNetLike
+from torch import nn
+
+from gs_lightning import GradientScaler
+from gs_lightning.analysis.fidelity import FidelityProbe
+from gs_lightning.simulate import DelayedScaling, UnderflowMeter, emulate, round_to
+from gs_lightning.simulate.methods import DynamicLossScale, FixedLossScale, NoScaling, PerTensorAmaxScaling
+
+E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
+
+
+def _graph_names(loss: torch.Tensor) -> set[str]:
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.add(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def _is_in(values: torch.Tensor, fmt: torch.dtype) -> bool:
+    return torch.equal(values.float(), values.float().to(fmt).float())
+
+
+# --- rounding ---------------------------------------------------------------------------------
+
+
+def test_rounding_keeps_subnormals_and_follows_each_formats_overflow_rule() -> None:
+    x = torch.tensor([2.0**-24, 2.0**-25 * 1.01, 2.0**-26, 65520.0])
+    assert round_to(x, torch.float16, torch.float32).tolist() == [2.0**-24, 2.0**-24, 0.0, float("inf")]
+    e5m2 = torch.tensor([2.0**-16, 2.0**-17, 2.0**-17 * 1.01, 61440.0, -61440.0])
+    assert round_to(e5m2, E5M2, torch.float16).tolist() == [2.0**-16, 0.0, 2.0**-16, float("inf"), float("-inf")]
+    assert round_to(e5m2, E5M2, torch.float16, saturate=True)[3:].tolist() == [57344.0, -57344.0]
+    assert round_to(torch.tensor([500.0, 2.0**-9, 2.0**-10]), E4M3, torch.float16).tolist() == [448.0, 2.0**-9, 0.0]
+
+
+# --- emulation --------------------------------------------------------------------------------
+
+
+def test_emulated_gemms_are_fp32_compute_rounded_once_and_keep_autograds_nodes() -> None:
+    torch.manual_seed(0)
+    conv, linear = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 5)
+    x = torch.randn(2, 3, 8, 8)
+    meter = UnderflowMeter()
+    with emulate(torch.float16, underflow=meter), torch.autocast("cpu", dtype=torch.float16):
+        h = conv(x)
+        out = linear(h.flatten(1))
+        loss = out.float().square().sum()
+    expected = F.conv2d(x.half().float(), conv.weight.half().float(), conv.bias.half().float()).half()
+    assert h.dtype == torch.float16 and torch.equal(h, expected)
+    assert {"ConvolutionBackward0", "AddmmBackward0"} <= _graph_names(loss)
+    with emulate(torch.float16, underflow=meter):
+        loss.backward()
+    assert len(meter.collect()) == 3  # the Linear's ∇X and ∇W, the conv's ∇W (x needs no gradient)
+    assert conv.weight.grad is not None and torch.isfinite(conv.weight.grad).all()
+
+
+def test_grad_dtype_rounds_what_backward_gemms_produce_and_nothing_else() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with emulate(torch.float16, grad_dtype=E5M2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().sum()
+        loss.backward()
+    for grad in (x.grad, model[0].weight.grad, model[3].weight.grad):  # ∇X and ∇W of GEMMs
+        assert _is_in(grad, E5M2)
+    assert not _is_in(model[3].bias.grad, E5M2)  # a sum, not a GEMM output: fp16 only
+    assert not _is_in(model[0].bias.grad, E5M2)
+
+
+def test_emulate_nests_and_works_when_entered_separately_for_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    spec = emulate(torch.float16, grad_dtype=E5M2)
+    with spec, spec, torch.autocast("cpu", dtype=torch.float16):  # nested, re-entered
+        loss = linear(x).float().square().sum()
+    with spec:
+        loss.backward()
+    assert _is_in(linear.weight.grad, E5M2)
+    linear.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.float16):  # no emulation: plain fp16 gradients
+        linear(x).float().square().sum().backward()
+    assert not _is_in(linear.weight.grad, E5M2)
+
+
+def test_emulation_is_thread_local() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    entered, done = threading.Event(), threading.Event()
+
+    def hold_mode_open() -> None:
+        with emulate(torch.float16, grad_dtype=E5M2):
+            entered.set()
+            done.wait(timeout=30)
+
+    other = threading.Thread(target=hold_mode_open)
+    other.start()
+    entered.wait(timeout=30)
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            linear(x).float().square().sum().backward()
+    finally:
+        done.set()
+        other.join()
+    assert not _is_in(linear.weight.grad, E5M2)  # this thread's backward was not emulated
+
+
+def test_bad_arguments_name_what_was_expected() -> None:
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        emulate(torch.float32)
+    with pytest.raises(ValueError, match="grad_dtype must be None or one of"):
+        emulate(torch.float16, grad_dtype=torch.int8)
+    with pytest.raises(ValueError, match="grad_scaling needs an fp8 grad_dtype"):
+        emulate(torch.float16, grad_scaling=DelayedScaling())
+
+
+# --- validation against real CPU fp16 ---------------------------------------------------------
+
+
+def _plain_cnn() -> tuple[nn.Module, object]:
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))
+    return PlainCNN(width=8, depth=6), lambda m: F.cross_entropy(m(x), y) * 1e-6
+
+
+def _segnet_like() -> tuple[nn.Module, object]:
+    torch.manual_seed(0)
+    x, y = torch.rand(2, 3, 16, 16) * 255, torch.randint(0, 3, (2, 16, 16))
+    return SegNetLike(), lambda m: F.cross_entropy(m(x).float(), y) * 1e-3
+
+
+@pytest.mark.parametrize("make", [_plain_cnn, _segnet_like], ids=["plain-cnn", "segnet-like"])
+def test_emulated_fp16_matches_real_cpu_fp16(make) -> None:
+    """Gradient error vs fp32 within a ratio of 0.8-1.25 of real fp16's, per-layer underflow within 0.01."""
+    results = {}
+    meter = UnderflowMeter()
+    for emulated in (False, True):
+        model, loss_fn = make()
+        with emulate(torch.float16, underflow=meter) if emulated else torch.autocast("cpu", enabled=False):
+            probe = FidelityProbe(model, loss_fn)
+            results[emulated] = {
+                "none": probe.none(),
+                "fixed 2^10": probe.fixed(2.0**10),
+                "GS": probe.gradient_scaling()[1],
+            }
+    assert meter.collect(), "the emulated runs did not go through the emulation"
+    for method, real in results[False].items():
+        emulated = results[True][method]
+        assert 0.8 <= emulated.error / real.error <= 1.25, (method, emulated.error, real.error)
+        assert real.activations.keys() == emulated.activations.keys()
+        for layer, fraction in real.activations.items():
+            assert abs(emulated.activations[layer] - fraction) <= 0.01, (method, layer, emulated.activations[layer], fraction)
+
+
+# --- per-tensor delayed scaling ---------------------------------------------------------------
+
+
+def test_delayed_scaling_follows_transformer_engines_recipe() -> None:
+    scaling = DelayedScaling(margin=1, amax_history_len=2)
+    grads = [torch.tensor([8.0, 2.0**-20]), torch.tensor([1.0]), torch.tensor([1.0])]
+    # First backward: scale 1 (delayed), so 2^-20 underflows in e5m2; amax 8 is recorded.
+    assert scaling.quantize(grads[0], E5M2, torch.float32).tolist() == [8.0, 0.0]
+    scaling.update()
+    assert scaling.scale.tolist() == [57344.0 / 8 / 2]
+    scaling.quantize(grads[1], E5M2, torch.float32)
+    scaling.update()
+    assert scaling.scale.tolist() == [57344.0 / 8 / 2]  # 8 is still in the 2-long history
+    scaling.quantize(grads[2], E5M2, torch.float32)
+    scaling.update()
+    assert scaling.scale.tolist() == [57344.0 / 1 / 2]  # now it is not
+    # A value above amax saturates at fp8 max instead of overflowing.
+    assert scaling.quantize(torch.tensor([4.0]), E5M2, torch.float32).tolist() == [57344.0 / (57344.0 / 2)]
+
+
+def test_delayed_scaling_keeps_its_scale_where_amax_is_zero_and_rejects_a_changed_graph() -> None:
+    scaling = DelayedScaling()
+    scaling.quantize(torch.zeros(3), E5M2, torch.float32)
+    scaling.quantize(torch.ones(3), E5M2, torch.float32)
+    scaling.update()
+    assert scaling.scale.tolist() == [1.0, 57344.0]
+    scaling.quantize(torch.ones(3), E5M2, torch.float32)
+    with pytest.raises(RuntimeError, match="produced 1 gradients, earlier ones 2"):
+        scaling.update()
+
+
+# --- methods ----------------------------------------------------------------------------------
+
+
+def _step(method, loss_scale_poison: float = 1.0) -> tuple[nn.Linear, bool]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    method.backward(model(torch.randn(3, 4)).square().sum() * loss_scale_poison)
+    return model, method.step(optimizer)
+
+
+def test_loss_scaling_methods_leave_true_gradients_and_skip_non_finite_steps() -> None:
+    reference, _ = _step(NoScaling())
+    for method in (FixedLossScale(1024), DynamicLossScale(init_scale=1024)):
+        model, stepped = _step(method)
+        assert stepped and method.skipped_steps == 0
+        assert torch.equal(model.weight.data, reference.weight.data)
+    for method in (NoScaling(), FixedLossScale(4), DynamicLossScale(), PerTensorAmaxScaling()):
+        with emulate(torch.float16, E5M2, grad_scaling=method.grad_scaling) if method.grad_scaling else torch.autocast("cpu", enabled=False):
+            _, stepped = _step(method, float("inf"))
+        assert not stepped and method.skipped_steps == 1, method
+
+
+def test_gradient_scaler_backward_runs_under_fp8_emulation() -> None:
+    model, loss_fn = _plain_cnn()
+    scaler = GradientScaler(model, dtype=E5M2)
+    meter = UnderflowMeter()
+    with emulate(torch.float16, grad_dtype=E5M2, underflow=meter):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model)
+        scaler.backward(loss)
+    gs_underflow = max(meter.collect())
+    model.zero_grad()
+    with emulate(torch.float16, grad_dtype=E5M2, underflow=meter):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model)
+        loss.backward()
+    assert scaler.scales() and gs_underflow < 0.01 < max(meter.collect())

@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
                 print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
                       f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}, "
                       f"{run.seconds:.1f} s", flush=True)
+                if args.json is not None:  # after every run, so that an interrupted table keeps what it has
+                    args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
-    if args.json is not None:
-        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     return _report(runs, args.plots)
 
 

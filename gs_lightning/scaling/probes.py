@@ -337,7 +337,8 @@ def rnn_probe(
         pairs = [(t, g) for t, g in ((output, grad_output), (hy, grad_hy), (cy, grad_cy)) if g is not None and t is not None]
         wanted = x if edge == 0 else hx if edge == 5 else cx
         (result,) = torch.autograd.grad([t for t, _ in pairs], [wanted], [g for _, g in pairs], allow_unused=True)
-    return torch.zeros_like(wanted) if result is None else result.detach()
+    result = torch.zeros_like(wanted) if result is None else result.detach()
+    return result if edge == 0 else result[0]  # oneDNN's initial states have no layer axis
 
 
 # (input, h0, c0, per layer: per direction: (weights, reverse), mode, batch_first)

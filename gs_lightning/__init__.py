@@ -1,7 +1,9 @@
 """gs_lightning: per-layer gradient scaling for fp16 mixed precision training, with Lightning.
 
-``GradientScaler`` (the core) imports only torch. The Lightning names are loaded on first use
-(PEP 562), so ``from gs_lightning import GradientScaler`` does not import Lightning.
+``GradientScaler`` (the core) imports only torch; it is also a drop-in for ``torch.amp.GradScaler``.
+The Trainer names (plugins for ``lightning.pytorch`` and ``pytorch_lightning``, the callback) are
+loaded on first use (PEP 562), so ``from gs_lightning import GradientScaler`` does not import
+Lightning. Fabric's plugins, of the same names, are in :mod:`gs_lightning.fabric`.
 """
 
 from importlib import import_module

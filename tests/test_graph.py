@@ -1,0 +1,63 @@
+"""Reading autograd's backward graph: saved tensors, node classification, layer names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gs_lightning.scaling.graph import analyze, saved_tensor, walk
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
+
+
+def test_saved_tensors_owned_by_checkpointing_are_not_unpacked() -> None:
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    plain = layer(x).grad_fn
+    assert torch.equal(saved_tensor(plain, "mat1"), x) and saved_tensor(plain, "missing") is None
+    checkpointed = checkpoint(layer, x, use_reentrant=False)
+    assert saved_tensor(checkpointed.grad_fn, "mat1") is None
+    checkpointed.sum().backward()  # the node's own unpack still works: nothing was unpacked before it
+    assert x.grad is not None
+
+
+def test_nodes_are_classified_and_named_after_their_modules() -> None:
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    model = nn.ModuleDict(
+        {"attention": nn.MultiheadAttention(8, 2, batch_first=True), "rnn": nn.LSTM(8, 8, batch_first=True), "head": nn.Linear(8, 2)}
+    )
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    h, _ = model["attention"](x, x, x, need_weights=False)
+    h, _ = model["rnn"](Function.apply(h))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model["head"](h[:, -1])
+    loss = F.cross_entropy(logits.float(), torch.tensor([0, 1]))
+    graph = walk(loss.grad_fn)
+    analysis = analyze(graph, _module_names(model))
+    names = {analysis.layer_names[i]: graph.names[i] for i in analysis.layer_names}
+    assert names["head"] == "AddmmBackward0" and names["head.cast"] == "ToCopyBackward0"
+    assert names["attention.attention"].startswith("ScaledDotProduct") and names["rnn"] == "MkldnnRnnLayerBackward0"
+    assert analysis.fused.keys() == {i for i, name in analysis.layer_names.items() if name in ("attention.attention", "rnn")}
+    assert {graph.names[i] for i in analysis.opaque} == {"FunctionBackward"}
+    assert all(graph.names[j] == "AccumulateGrad" for j in analysis.leaf_sources)
+    assert {id(graph.nodes[j].variable) for j in analysis.leaf_sources} == {id(p) for p in model.parameters()} | {id(x)}
+
+
+def test_reentrant_checkpoint_is_an_unscaling_node() -> None:
+    layer = nn.Linear(4, 4)
+    out = checkpoint(layer, torch.randn(2, 4, requires_grad=True), use_reentrant=True)
+    graph = walk(out.sum().grad_fn)
+    analysis = analyze(graph, {})
+    assert [graph.names[i] for i in analysis.unscaling] == ["CheckpointFunctionBackward"]

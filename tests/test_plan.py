@@ -1,0 +1,69 @@
+"""Replaying an update's scales: the factor on each edge, and what the replay hooks."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gs_lightning import GradientScaler
+from gs_lightning.scaling.graph import analyze, walk
+from gs_lightning.scaling.plan import ScalePlan, edge_shift
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _loss(model: nn.Module) -> torch.Tensor:
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    h = model[1](model[0](x))
+    return F.cross_entropy(model[2](h) + model[2](h * 0.5), torch.arange(32) % 4) * 1e-6  # a branch at h
+
+
+def test_edge_shift_unscales_leaves_unless_deferred_and_meets_branches_at_their_scale() -> None:
+    graph = walk(_loss(_model()).grad_fn)
+    leaf_edges = [(i, e) for i, edges in enumerate(graph.edges) for e in edges if e is not None and graph.names[e[0]] == "AccumulateGrad"]
+    branch = next(slot for slot, count in graph.in_counts.items() if count > 1 and graph.names[slot[0]] != "AccumulateGrad")
+    i, leaf_edge = leaf_edges[0]
+    assert edge_shift(graph, leaf_edge, 5, {}, frozenset()) == -5
+    assert edge_shift(graph, leaf_edge, 5, {}, frozenset({leaf_edge[0]})) == 0
+    assert edge_shift(graph, branch, 5, {branch: 3}, frozenset()) == -2
+    assert edge_shift(graph, None, 5, {}, frozenset()) == 0
+
+
+def test_replay_adds_no_hook_for_deferred_leaves_and_stays_exact() -> None:
+    model = _model()
+    _loss(model).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    scaler = GradientScaler(model, update_interval=10)
+    model.zero_grad(set_to_none=True)
+    scaler.backward(_loss(model))  # update iteration
+    loss = _loss(model)
+    graph = walk(loss.grad_fn)
+    analysis = analyze(graph, {})
+    deferred = frozenset(analysis.leaf_sources)
+    per_edge = scaler._plan.replay(graph, frozenset())
+    fused = scaler._plan.replay(graph, deferred)
+    assert len(fused) < len(per_edge)
+    for handle in per_edge + fused:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    scaler.backward(loss)  # replay iteration
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
+
+
+def test_plan_state_is_plain_containers_that_load_with_weights_only() -> None:
+    model = _model()
+    scaler = GradientScaler(model)
+    scaler.backward(_loss(model))
+    buffer = io.BytesIO()
+    torch.save(scaler.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    plan = ScalePlan.from_state_dict(state["plan"])
+    assert plan.alpha_out == scaler._plan.alpha_out and plan.slot_alpha == scaler._plan.slot_alpha
+    assert plan.matches(walk(_loss(model).grad_fn))

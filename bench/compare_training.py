@@ -220,11 +220,11 @@ def plot(runs: list[Run], folder: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[Run]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny datasets, 20 steps, 1 seed: every method in < 3 min")
+    parser.add_argument("--quick", action="store_true", help="tiny datasets, 10 steps, 1 seed: every method in < 3 min")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 20)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 10)")
     parser.add_argument("--underflow-every", type=int, default=10, help="sample GEMM-gradient underflow every N steps")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gs_lightning_compare", help="generated datasets")
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG curves (none if unset)")
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
         runs = [Run(**run) for path in args.report for run in json.loads(path.read_text())]
         return _report(runs, args.plots)
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
-    steps = args.steps if args.steps is not None else (20 if args.quick else 300)
+    steps = args.steps if args.steps is not None else (10 if args.quick else 300)
     methods = [METHODS[k] for k in (args.methods or DEFAULT_METHODS)]
     if seeds < 1 or steps < 1:
         parser.error(f"--seeds and --steps must be positive, got {seeds} and {steps}")

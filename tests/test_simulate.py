@@ -13,7 +13,12 @@ from torch import nn
 from gs_lightning import GradientScaler
 from gs_lightning.analysis.fidelity import FidelityProbe
 from gs_lightning.simulate import DelayedScaling, UnderflowMeter, emulate, round_to
-from gs_lightning.simulate.methods import DynamicLossScale, FixedLossScale, NoScaling, PerTensorAmaxScaling
+from gs_lightning.simulate.methods import (
+    DynamicLossScale,
+    FixedLossScale,
+    NoScaling,
+    PerTensorAmaxScaling,
+)
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
 

@@ -498,3 +498,23 @@ def test_reentrant_checkpoint_runs_unscaled_and_says_so() -> None:
         scaler.backward(F.cross_entropy(model(torch.randn(8, 8)), torch.arange(8) % 4) * 1e-6)
     unscaled = [layer for layer in scaler.layers() if layer.kind == "unscaled"]
     assert len(unscaled) == 3 and all(layer.log2_total == 0 for layer in unscaled)
+
+
+def test_non_reentrant_checkpoint_keeps_every_scale_of_the_plain_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointing (use_reentrant=False) changes how activations are kept, not the scales."""
+    import nets
+
+    def scales_of(model: nn.Module) -> dict[str, float]:
+        scaler = GradientScaler(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))).float(), torch.arange(64) % 4)
+        scaler.backward(loss * 1e-4)
+        return scaler.scales()
+
+    torch.manual_seed(0)
+    checkpointed = scales_of(CheckpointedNet(use_reentrant=False))
+    monkeypatch.setattr(nets, "checkpoint", lambda function, *args, **kwargs: function(*args))
+    monkeypatch.setattr(nets, "checkpoint_sequential", lambda functions, segments, x, **kwargs: functions(x))
+    torch.manual_seed(0)
+    plain = scales_of(CheckpointedNet(use_reentrant=False))
+    assert len(plain) > 5 and checkpointed == plain

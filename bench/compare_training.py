@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     runs = []
     total = time.perf_counter()
     for task in tasks:
-        for method in methods:
-            for seed in range(seeds):
+        for seed in range(seeds):  # seed-major: an interrupted table still has every method
+            for method in methods:
                 run = train(task, method, seed, steps, args.underflow_every)
                 runs.append(run)
                 print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "

@@ -165,10 +165,45 @@ def test_attention_probe_is_the_math_backward(is_causal, mask, gqa) -> None:
         torch.testing.assert_close(probe, inputs[edge].grad, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_with_dropout_is_not_probed() -> None:
-    """Dropout masks are drawn inside the fused kernel (CUDA): they cannot be replayed, so no probe."""
-    node = type("ScaledDotProductEfficientAttentionBackward0", (), {"_saved_dropout_p": 0.1})()
-    assert probes.probe(node, torch.ones(1, 2, 4, 8), 0, None) is None
+class _Saved:
+    """Stands for a SavedVariable without an unpack hook."""
+
+    unpack_hook = None
+
+
+def _fake_node(type_name: str, **saved) -> object:
+    """A stand-in for a CUDA-only autograd node, its saved fields named as derivatives.yaml names them."""
+    node = type(type_name, (), {})()
+    for name, value in saved.items():
+        setattr(node, f"_saved_{name}", value)
+        if isinstance(value, torch.Tensor) or value is None:
+            setattr(node, f"_raw_saved_{name}", _Saved())
+        elif isinstance(value, list):
+            setattr(node, f"_raw_saved_{name}", [_Saved() for _ in value])
+    return node
+
+
+@pytest.mark.parametrize("edge", [0, 1, 2])
+def test_attention_with_dropout_probes_values_of_the_same_distribution(edge: int) -> None:
+    """CUDA kernels draw dropout masks inside: the probe draws its own, and its scale holds for the real one."""
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(8, 4, 64, 16, generator=generator) for _ in range(3))
+    grad = torch.randn(8, 4, 64, 16, generator=generator) * 2.0**-24
+    node = _fake_node(
+        "ScaledDotProductEfficientAttentionBackward0",
+        query=q, key=k, value=v, attn_bias=None, dropout_p=0.3, is_causal=False, scale=None,
+    )
+    sample = probes.probe(node, grad, edge, None, elements=2**12)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(0)
+    with sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(*inputs, dropout_p=0.3).backward(grad)
+    exact = inputs[edge].grad
+    assert sample.numel() <= 2**12
+    k = underflow.choose_log2_scale(underflow.sample_min_log2_scale(sample, LAMBDA, TARGET), math.inf)
+    assert underflow.sample_underflow_rate(exact, k, LAMBDA) <= 2 * TARGET
+    exact_k = underflow.choose_log2_scale(underflow.sample_min_log2_scale(exact, LAMBDA, TARGET), math.inf)
+    assert abs(k - exact_k) <= 1  # the same law: about the scale the real values call for
 
 
 def test_saved_tensors_owned_by_checkpointing_are_left_alone() -> None:
@@ -226,28 +261,14 @@ def test_onednn_lstm_probe_is_the_input_and_state_gradient(bidirectional: bool, 
     torch.testing.assert_close(torch.stack([results[(n, 6)] for n in states]), c0.grad, rtol=1e-5, atol=1e-6)
 
 
-class _Saved:
-    """Stands for a SavedVariable without an unpack hook."""
-
-    unpack_hook = None
-
-
 def _fake_cudnn_node(rnn: nn.RNNBase, x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor | None, mode: int):
-    """A stand-in for CUDA's CudnnRnnBackward0, with its saved fields as derivatives.yaml names them."""
-    node_type = type("CudnnRnnBackward0", (), {})
-    node = node_type()
-    weights = list(rnn._flat_weights)
-    fields = {
-        "input": x, "weight": weights, "hx": hx, "cx": cx, "mode": mode, "hidden_size": rnn.hidden_size,
-        "proj_size": rnn.proj_size, "num_layers": rnn.num_layers, "batch_first": rnn.batch_first,
-        "dropout": rnn.dropout, "train": True, "bidirectional": rnn.bidirectional, "batch_sizes": (),
-    }
-    for name, value in fields.items():
-        setattr(node, f"_saved_{name}", value)
-    for name in ("input", "hx", "cx"):
-        setattr(node, f"_raw_saved_{name}", _Saved())
-    node._raw_saved_weight = [_Saved() for _ in weights]
-    return node
+    """A stand-in for CUDA's CudnnRnnBackward0."""
+    return _fake_node(
+        "CudnnRnnBackward0",
+        input=x, weight=list(rnn._flat_weights), hx=hx, cx=cx, mode=mode, hidden_size=rnn.hidden_size,
+        proj_size=rnn.proj_size, num_layers=rnn.num_layers, batch_first=rnn.batch_first, dropout=rnn.dropout,
+        train=True, bidirectional=rnn.bidirectional, batch_sizes=(),
+    )
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def probe(
 
     Returns:
         At most ``elements`` fp32 values (flattened or not), or ``None`` when they
-        cannot be computed (unsupported node or edge, unreadable saved tensors, dropout).
+        cannot be computed (unsupported node or edge, unreadable saved tensors).
     """
     compute = _PROBES.get(type(node).__name__)
     if compute is None or grad is None:
@@ -214,12 +214,17 @@ def _attention(
 ) -> torch.Tensor | None:
     """∇query (edge 0), ∇key (1) or ∇value (2) of fused attention, on a subset of (batch, head) pairs.
 
-    Recomputes math attention in fp32: P = softmax(q kᵀ · scale + mask), dV = Pᵀ dO,
-    dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K · scale, dK = dSᵀ Q · scale. Key/value heads
-    shared by several query heads (grouped-query attention) sum over their group.
+    Recomputes math attention in fp32: P = softmax(q kᵀ · scale + mask), dV = (P ⊙ D)ᵀ dO,
+    dP = dO Vᵀ ⊙ D, dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ = dS K · scale, dK = dSᵀ Q · scale, with D
+    the dropout mask over 1 − p (all ones without dropout). Key/value heads shared by several query
+    heads (grouped-query attention) sum over their group.
+
+    The kernel draws its dropout mask internally, so with dropout an independent mask of the same
+    rate stands in: the values are then draws from the same distribution, not the same values.
     """
-    if edge not in (0, 1, 2) or float(getattr(node, "_saved_dropout_p", 0.0)) > 0.0:
-        return None  # dropout masks are drawn inside the kernel and cannot be replayed here
+    if edge not in (0, 1, 2):
+        return None
+    dropout = float(getattr(node, "_saved_dropout_p", 0.0))
     query, key, value = (_float(saved_tensor(node, name)) for name in ("query", "key", "value"))
     if query is None or key is None or value is None or query.dim() < 3:
         return None
@@ -253,9 +258,15 @@ def _attention(
         causal = torch.ones(length, kv_length, dtype=torch.bool, device=grad.device).tril()
         scores = scores.masked_fill(~causal, -math.inf)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows have no gradient
+    keep = None
+    if dropout > 0.0:
+        generator = torch.Generator(device=grad.device).manual_seed(0)
+        keep = (torch.rand(probs.shape, generator=generator, device=grad.device) >= dropout) / (1.0 - dropout)
     if edge == 2:
-        return _sum_groups(probs.transpose(-1, -2) @ do, group)
+        return _sum_groups((probs if keep is None else probs * keep).transpose(-1, -2) @ do, group)
     dp = do @ v.transpose(-1, -2)
+    if keep is not None:
+        dp = dp * keep
     ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
     if edge == 0:
         return ds @ k * scale

@@ -518,3 +518,26 @@ def test_non_reentrant_checkpoint_keeps_every_scale_of_the_plain_model(monkeypat
     torch.manual_seed(0)
     plain = scales_of(CheckpointedNet(use_reentrant=False))
     assert len(plain) > 5 and checkpointed == plain
+
+
+def test_a_failed_backward_leaves_no_scaled_gradient_behind() -> None:
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    scaler = GradientScaler(model)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="boom"):
+            scaler.backward((model[2](Fails.apply(model[1](model[0](x)))) * 1e-6).sum())
+    assert all(p.grad is None for p in model.parameters())  # the head's scaled gradient was dropped
+    scaler.backward((model(x) * 1e-6).sum())  # and the scaler works on
+    assert all(p.grad is not None for p in model.parameters())

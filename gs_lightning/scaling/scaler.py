@@ -205,7 +205,11 @@ class GradientScaler:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``."""
-        self.scale(loss).backward(retain_graph=retain_graph)
+        try:
+            self.scale(loss).backward(retain_graph=retain_graph)
+        except BaseException:
+            self._abandon()
+            raise
 
     @property
     def found_inf(self) -> bool:
@@ -312,11 +316,18 @@ class GradientScaler:
     # --- one backward ------------------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
-        if self._prepared is not None:  # scale() whose backward never ran (or failed)
-            self._prepared.remove_hooks()
-            self._prepared = None
+        self._abandon()  # a scale() whose backward never ran, or failed
         if self._optimizer_stage and "stepped" in self._optimizer_stage.values():
             self.update()
+
+    def _abandon(self) -> None:
+        """Drop a prepared backward that did not finish: its hooks, and any still-scaled gradient."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return
+        prepared.remove_hooks()
+        for j in prepared.deferred:  # they had no .grad before; a partial, scaled one must not stay
+            prepared.graph.nodes[j].variable.grad = None
 
     def _queue_finish(self, grad_outputs: tuple) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)

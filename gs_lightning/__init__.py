@@ -11,17 +11,19 @@ from typing import Any
 
 from gs_lightning.scaling import GradientScaler, LayerScale
 
-_LIGHTNING_NAMES = (
+__all__ = [
     "DynamicLossScalingPlugin",
     "FP16MixedPrecision",
     "FP16Plugin",
+    "GradientScaler",
     "GradientScalingCallback",
     "GradientScalingPlugin",
+    "LayerScale",
     "LossScalingPlugin",
     "SkipAwareScheduler",
-)
-
-__all__ = sorted(["GradientScaler", "LayerScale", *_LIGHTNING_NAMES])
+]
+# Everything but the core's two names comes from gs_lightning.lightning, on first use.
+_LIGHTNING_NAMES = tuple(name for name in __all__ if name not in ("GradientScaler", "LayerScale"))
 
 
 def __getattr__(name: str) -> Any:

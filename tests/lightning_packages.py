@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 
+
 @functools.cache
 def on_package(cls: type, package_name: str) -> type:
     """``cls`` (a ``lightning.pytorch.LightningModule`` subclass, single inheritance) on ``package_name``'s LightningModule."""

@@ -69,7 +69,7 @@ def test_backward_is_scaled_per_layer_and_leaves_true_gradients(fabric_package: 
     """fabric.backward goes through the GradientScaler: scales other than 1 were chosen (and are there for
     logging), yet .grad is plain fp16 autocast's (power-of-two scaling is exact away from under/overflow)."""
     plugin, reference = GradientScalingPlugin(), net()
-    fabric, model, optimizer = launch(fabric_package, plugin, net())
+    fabric, model, _ = launch(fabric_package, plugin, net())
     x, y = next(iter(loader()))
     fabric.backward(F.cross_entropy(model(x), y))
     with torch.autocast("cpu", dtype=torch.float16):
@@ -124,4 +124,4 @@ def _plain(state: dict) -> dict:
 
 def test_scaler_needs_the_model_set_up_first() -> None:
     with pytest.raises(RuntimeError, match=r"fabric.setup\(model\)"):
-        GradientScalingPlugin().scaler
+        _ = GradientScalingPlugin().scaler

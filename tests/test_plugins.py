@@ -27,6 +27,7 @@ from gs_lightning import (
     LossScalingPlugin,
     SkipAwareScheduler,
 )
+from gs_lightning.lightning import packages
 
 LR_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 
@@ -289,6 +290,17 @@ def test_skip_aware_scheduler_forwards_everything_else() -> None:
 def test_bad_options_fail_when_the_plugin_is_made(make, option: str) -> None:
     with pytest.raises(ValueError, match=option):
         make()
+
+
+def test_a_lightning_1_install_is_left_out_with_a_warning(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package without Lightning 2's names (1.x's ``PrecisionPlugin``) does not break the import."""
+    (tmp_path / "old_lightning" / "plugins").mkdir(parents=True)
+    for init in ("old_lightning/__init__.py", "old_lightning/plugins/__init__.py"):
+        (tmp_path / init).write_text("")
+    (tmp_path / "old_lightning" / "plugins" / "precision.py").write_text("class PrecisionPlugin: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="old_lightning lacks Lightning 2's names"):
+        assert packages._load("old_lightning") is None
 
 
 def test_package_root_lists_every_lightning_name() -> None:

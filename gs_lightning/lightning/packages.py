@@ -10,6 +10,7 @@ the LightningModule comes from (:func:`package_of`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from importlib import import_module
 from importlib.util import find_spec
@@ -26,22 +27,29 @@ class LightningPackage:
     MisconfigurationException: type[Exception]
 
 
-def _load(name: str) -> LightningPackage:
-    return LightningPackage(
-        name=name,
-        Precision=import_module(f"{name}.plugins.precision").Precision,
-        LightningModule=import_module(name).LightningModule,
-        MisconfigurationException=import_module(f"{name}.utilities.exceptions").MisconfigurationException,
-    )
-
-
-def _installed(name: str) -> bool:
+def _load(name: str) -> LightningPackage | None:
+    """The package's names; ``None``, with a warning, for one that lacks them (a Lightning 1.x install)."""
     root = name.partition(".")[0]
-    return find_spec(root) is not None and find_spec(name) is not None
+    if find_spec(root) is None or find_spec(name) is None:
+        return None
+    try:
+        return LightningPackage(
+            name=name,
+            Precision=import_module(f"{name}.plugins.precision").Precision,
+            LightningModule=import_module(name).LightningModule,
+            MisconfigurationException=import_module(f"{name}.utilities.exceptions").MisconfigurationException,
+        )
+    except (ImportError, AttributeError) as error:
+        warnings.warn(
+            f"gs_lightning: the installed {name} lacks Lightning 2's names ({error}); its Trainer will not accept "
+            "gs_lightning's plugins (supported: Lightning >= 2.4)",
+            stacklevel=2,
+        )
+        return None
 
 
 PACKAGES: tuple[LightningPackage, ...] = tuple(
-    _load(name) for name in ("lightning.pytorch", "pytorch_lightning") if _installed(name)
+    package for package in map(_load, ("lightning.pytorch", "pytorch_lightning")) if package is not None
 )
 if not PACKAGES:
     raise ModuleNotFoundError(

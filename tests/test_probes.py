@@ -74,6 +74,13 @@ def test_convolution_probe_is_the_input_gradient(dims, transposed, groups, strid
     _assert_subset(sample, exact, small)
 
 
+def test_one_sample_larger_than_the_budget_is_thinned() -> None:
+    x = torch.randn(2, 3, 40, 40, requires_grad=True)
+    y = F.conv2d(x, torch.randn(5, 3, 3, 3), padding=1)
+    sample = _probe_at(y, torch.randn(y.shape), 0, elements=500)  # one channel map has 1600 values
+    _assert_subset(sample, x.grad, 500)
+
+
 def _matmul_cases():
     g = torch.Generator().manual_seed(1)
     a2, b2 = torch.randn(6, 5, generator=g), torch.randn(5, 7, generator=g)

@@ -3,10 +3,15 @@
 On scale-update iterations the scale of a GEMM's output gradient can be read off the values
 themselves (:func:`~gs_lightning.scaling.underflow.sample_min_log2_scale`) instead of a model
 that assumes Gaussian operands. A probe recomputes part of the node's outgoing gradient from its
-incoming gradient and saved operands, in fp32: a strided subset along every axis (batch elements,
-heads, channels, rows, columns), so that the sample spreads over the whole tensor (underflow
-concentrates in some samples: those the loss already fits well) yet stays under
-:data:`PROBE_ELEMENTS` elements. Each value is the exact fp32 result for its element.
+incoming gradient and saved operands, in fp32; each value is the exact fp32 result for its element.
+
+Which part: underflow concentrates in some samples (those the loss already fits well, sparse
+rows of ∇Y) and, for short sums, in some columns (∇X ≈ ∇Y_r · W_c). So the slice takes every
+batch element (and position) the budget allows, splits them into groups and gives each group its
+own strided set of columns (channels, features), so that together they cover all columns: a
+Latin-square-like design whose values behave much like independent draws. The cost is about
+``elements × N`` multiply-adds, at least one sample's worth (one channel map, one attention head,
+one sequence); the values returned are thinned with a stride to at most ``elements``.
 
 Saved tensors are read only through :func:`~gs_lightning.scaling.graph.saved_tensor`, which
 refuses those an unpack hook owns (checkpointing); a probe then returns ``None``.
@@ -48,7 +53,14 @@ def probe(
     if compute is None or grad is None:
         return None
     with torch.no_grad(), _fp32(grad.device):
-        return compute(node, grad.detach().float(), edge, operand, elements)
+        return _at_most(compute(node, grad.detach().float(), edge, operand, elements), elements)
+
+
+def _at_most(values: torch.Tensor | None, elements: int) -> torch.Tensor | None:
+    """``values`` as they are if few enough, else thinned with a stride (one sample can exceed the budget)."""
+    if values is None or values.numel() <= elements:
+        return values
+    return values.reshape(-1)[:: math.ceil(values.numel() / elements)]
 
 
 def _fp32(device: torch.device) -> torch.autocast:
@@ -93,11 +105,10 @@ def _spread(size: int, count: int, device: torch.device, shift: int = 0, shifts:
 
 
 def _shifts(samples: int, columns: int, count: int) -> int:
-    """Into how many groups to split the chosen samples so that each group's own columns cover them all.
+    """Into how many groups to split the chosen samples so that the groups' column sets cover all columns.
 
-    A Latin-square-like slice: every chosen sample and (nearly) every column appears, so the
-    values are closer to independent draws than a block of a few columns would be (for short
-    sums, ∇X ≈ ∇Y_r · W_c and a block would see only a few of the W_c).
+    (The Latin-square-like slice of the module docstring: for short sums ∇X ≈ ∇Y_r · W_c, and one
+    block of a few columns would see only a few of the W_c.)
     """
     return max(1, min(samples, math.ceil(columns / count)))
 
@@ -315,7 +326,7 @@ def rnn_probe(
             state), ``None`` where none arrives; at their current scale, any dtype.
         edge: Index in ``node.next_functions``: 0 for the input; 5 / 6 (oneDNN only) for the
             initial hidden / cell state.
-        elements: Upper bound on the number of values returned (at least one sequence's).
+        elements: Upper bound on the number of values returned.
 
     Returns:
         At most ``elements`` fp32 values, or ``None`` when they cannot be computed
@@ -349,7 +360,7 @@ def rnn_probe(
         wanted = x if edge == 0 else hx if edge == 5 else cx
         (result,) = torch.autograd.grad([t for t, _ in pairs], [wanted], [g for _, g in pairs], allow_unused=True)
     result = torch.zeros_like(wanted) if result is None else result.detach()
-    return result if edge == 0 else result[0]  # oneDNN's initial states have no layer axis
+    return _at_most(result if edge == 0 else result[0], elements)  # oneDNN's initial states have no layer axis
 
 
 # (input, h0, c0, per layer: per direction: (weights, reverse), mode, batch_first)

@@ -122,6 +122,20 @@ def _plain(state: dict) -> dict:
     return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 
+def test_skipped_first_step_restores_batch_norm_statistics(fabric_package: str) -> None:
+    """An inf in the first batch reaches BatchNorm's running statistics; the skipped step puts them back."""
+    plugin = GradientScalingPlugin()
+    torch.manual_seed(0)
+    fabric, model, optimizer = launch(fabric_package, plugin, nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)))
+    initial = [b.clone() for b in model.buffers()]
+    x, y = next(iter(loader()))
+    x[0, 0] = float("inf")
+    fabric.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    assert plugin.scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(initial, model.buffers()))
+
+
 def test_scaler_needs_the_model_set_up_first() -> None:
     with pytest.raises(RuntimeError, match=r"fabric.setup\(model\)"):
         _ = GradientScalingPlugin().scaler

@@ -29,7 +29,7 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
 
     Args:
         device: Device type for autocast (``"cuda"``, ``"cpu"``). ``None``: the device type of the
-            model's parameters at its first forward (after Fabric has moved it).
+            model's parameters (where Fabric has moved them).
     """
 
     precision: Literal["16-mixed"] = "16-mixed"
@@ -42,8 +42,11 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
     @property
     def scaler(self) -> Scaler:
         """The scaling method's scaler, built for the model set up with Fabric."""
+        return self._build_scaler_once()
+
+    def _build_scaler_once(self) -> Scaler:
         if self._scaler is None:
-            self._scaler = self._build_scaler(self._set_up_module(), self._device_type())
+            self._scaler = self._build_scaler(self._set_up_module(), self._device_type())  # type: ignore[attr-defined]
         return self._scaler
 
     def _set_up_module(self) -> nn.Module:
@@ -65,6 +68,9 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
 
     def forward_context(self) -> AbstractContextManager:
         """fp16 autocast on the model's device type."""
+        # Before the first forward changes the model's buffers (BatchNorm statistics): the scaler keeps
+        # them as they were, for a skipped first step to restore.
+        self._build_scaler_once()
         return torch.autocast(self._device_type(), dtype=torch.float16)
 
     def convert_input(self, data: Any) -> Any:

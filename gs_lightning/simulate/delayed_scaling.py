@@ -17,8 +17,9 @@ Followed from Transformer Engine (github.com/NVIDIA/TransformerEngine):
   constructor), i.e. it saturates at ±FP8_MAX instead of overflowing; the consumer multiplies by
   ``scale_inv`` = 1/scale.
 
-torchao's float8 delayed scaling (``torchao/float8/float8_utils.py``, ``amax_history_to_scale``
-with ``scale_fn_name="max"``) is the same rule without margin.
+torchao's float8 delayed scaling (``torchao/float8/float8_utils.py``: ``amax_history_to_scale``
+with ``"max"``, ``amax_to_scale``) is the same rule without margin, with amax clamped at 1e-12
+and, for fp16 tensors, the scale capped at 65504; this class follows Transformer Engine.
 
 What differs here, by construction of the emulation: Transformer Engine quantizes the gradient
 *entering* each backward GEMM (∇Y); :func:`gs_lightning.simulate.emulate` rounds the gradients a

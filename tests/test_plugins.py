@@ -109,6 +109,17 @@ def test_skipped_step_leaves_weights_and_schedulers_alone(name: str, lightning_p
         assert plugin.scaler.skipped_steps == 2
 
 
+def test_skipped_step_restores_batch_norm_statistics(lightning_package: str) -> None:
+    """An inf in batch 0's input reaches BatchNorm's running statistics; the skipped step puts them back."""
+    torch.manual_seed(0)
+    model = classifier(lightning_package, batch_norm=True, inf_steps=(0,), inf_inputs=True)
+    initial = [b.clone() for b in model.buffers()]
+    plugin = GradientScalingPlugin()
+    trainer(lightning_package, plugin, max_steps=1).fit(model, loader())
+    assert plugin.scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(initial, model.buffers()))
+
+
 def test_lightning_mixed_precision_has_the_scheduler_flaw() -> None:
     """Control: the same run with Lightning's MixedPrecision advances the schedule and warns."""
     torch.manual_seed(0)

@@ -231,7 +231,7 @@ def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float
     n = int(count)
     if n == 0:
         return -math.inf
-    rank = confident_rank(n, target, CONFIDENCE_RISK)
+    rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
     if rank >= 1:
         threshold = smallest_values[rank - 1]
     else:

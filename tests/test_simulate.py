@@ -49,6 +49,13 @@ def test_rounding_keeps_subnormals_and_follows_each_formats_overflow_rule() -> N
     assert round_to(torch.tensor([500.0, 2.0**-9, 2.0**-10]), E4M3, torch.float16).tolist() == [448.0, 2.0**-9, 0.0]
 
 
+def test_e5m2_rounding_into_float16_matches_torchs_conversion_on_every_value() -> None:
+    every_float16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    values = torch.cat([every_float16, every_float16 * 1.3])  # exact e5m2 values, halfway cases and in between
+    expected = values.to(E5M2).to(torch.float16)
+    assert torch.equal(round_to(values, E5M2, torch.float16).view(torch.int16), expected.view(torch.int16))
+
+
 # --- emulation --------------------------------------------------------------------------------
 
 

@@ -1,0 +1,89 @@
+"""Decisions of an update iteration, measured end to end through GradientScaler.
+
+Each test takes the exact fp32 gradient a decision point sends on (from a plain fp32 backward)
+and the accumulated scale the scaler gave it, and measures the fraction of its nonzero elements
+that scaling leaves below λmin: issue #8's bar is ≤ 2γ'.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gs_lightning import GradientScaler
+
+TARGET = 1e-3
+LAMBDA_MIN = 2.0**-14  # fp16's smallest normal, the default λmin
+
+
+def _underflow(grad: torch.Tensor, log2_total: int) -> float:
+    magnitude = grad.abs().double()
+    nonzero = magnitude > 0
+    return float((nonzero & (magnitude * 2.0**log2_total < LAMBDA_MIN)).sum() / nonzero.sum())
+
+
+def _layer(scaler: GradientScaler, name: str):  # noqa: ANN202
+    return next(layer for layer in scaler.layers() if layer.name == name)
+
+
+def test_regression_head_with_one_output_meets_the_target() -> None:
+    """Linear(1024, 1): each input-gradient element is one product of two Gaussians (N = 1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1))
+    x = torch.randn(512, 64, requires_grad=True)
+    hidden = model[1](model[0](x))
+    hidden.retain_grad()
+    loss = (model[2](hidden) * torch.randn(512, 1) * 1e-7).sum()
+    loss.backward(retain_graph=True)
+    exact = hidden.grad.clone()
+    scaler = GradientScaler(model)
+    scaler.backward(loss)
+    head = _layer(scaler, "2")
+    assert head.log2_scale > 0 and _underflow(exact, head.log2_total) <= 2 * TARGET
+
+
+@pytest.mark.parametrize("shape", ["gaussian", "laplace", "sparse"])
+def test_cast_of_a_non_log_normal_gradient_meets_the_target(shape: str) -> None:
+    """An fp32→fp16 cast whose fp32 gradient is not log-normal (a regression loss, a LayerNorm exit)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 256)
+    x = torch.randn(256, 32)
+    upstream = {
+        "gaussian": torch.randn(256, 256),
+        "laplace": torch.distributions.Laplace(0.0, 1.0).sample((256, 256)),
+        "sparse": torch.randn(256, 256) * (torch.rand(256, 256) < 0.05),
+    }[shape] * 2e-6
+    scaler = GradientScaler(layer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    scaler.backward((out.float() * upstream).sum())
+    cast = next(layer for layer in scaler.layers() if layer.kind == "cast")
+    assert cast.log2_scale > 0 and _underflow(upstream, cast.log2_total) <= 2 * TARGET
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 3 * 32)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.proj(x).unflatten(-1, (3, 4, 8)).permute(2, 0, 3, 1, 4))  # 3 × (batch, heads, length, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*self.qkv(x))
+
+
+def test_fused_attention_is_a_decision_point_that_meets_the_target() -> None:
+    torch.manual_seed(0)
+    model = _Attention()
+    x = torch.randn(8, 64, 32)
+    upstream = torch.randn(8, 4, 64, 8) * 1e-6
+    q, k, v = (t.detach().requires_grad_() for t in model.qkv(x))
+    exact = torch.autograd.grad((F.scaled_dot_product_attention(q, k, v) * upstream).sum(), (q, k, v))
+    scaler = GradientScaler(model)
+    scaler.backward((model(x) * upstream).sum())
+    attention = _layer(scaler, "proj.attention")
+    assert attention.kind == "attention" and attention.log2_scale > 0
+    assert max(_underflow(g, attention.log2_total) for g in exact) <= 2 * TARGET

@@ -219,11 +219,14 @@ def _convolution(
 
 # --- Fused attention ---------------------------------------------------------------------------
 
+# Largest attention score matrix a probe builds at once (elements): long sequences go in chunks.
+_SCORES_LIMIT = 2**24
+
 
 def _attention(
     node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
 ) -> torch.Tensor | None:
-    """∇query (edge 0), ∇key (1) or ∇value (2) of fused attention, on a subset of (batch, head) pairs.
+    """∇query (edge 0), ∇key (1) or ∇value (2) of fused attention, on a subset of (batch, head[, row]).
 
     Recomputes math attention in fp32: P = softmax(q kᵀ · scale + mask), dV = (P ⊙ D)ᵀ dO,
     dP = dO Vᵀ ⊙ D, dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ = dS K · scale, dK = dSᵀ Q · scale, with D
@@ -253,35 +256,47 @@ def _attention(
     kv_heads, kv_length = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = node._saved_scale if getattr(node, "_saved_scale", None) is not None else 1.0 / math.sqrt(features)
-    rows = length if edge == 0 else kv_length
-    b, h = _counts([batch, heads if edge == 0 else kv_heads], max(1, elements // (rows * features)))
-    bi = _spread(batch, b, grad.device)
-    hi = _spread(heads if edge == 0 else kv_heads, h, grad.device)
-    query_heads = hi if edge == 0 else (hi[:, None] * group + torch.arange(group, device=grad.device)).reshape(-1)
-    kv_index = query_heads // group
+    device = grad.device
+    if edge == 0:  # rows of ∇query are independent: a strided subset of them
+        b, h, r = _counts([batch, heads, length], max(1, elements // features))
+        query_heads, query_rows = _spread(heads, h, device), _spread(length, r, device)
+    else:  # a row of ∇key / ∇value sums over every query row
+        b, h = _counts([batch, kv_heads], max(1, elements // (kv_length * features)))
+        query_heads = (_spread(kv_heads, h, device)[:, None] * group + torch.arange(group, device=device)).reshape(-1)
+        query_rows = torch.arange(length, device=device)
+    bi = _spread(batch, b, device)
     q, do = query[bi][:, query_heads], grad[bi][:, query_heads]
-    k, v = key[bi][:, kv_index], value[bi][:, kv_index]
-    scores = q @ k.transpose(-1, -2) * scale
-    if mask is not None:
-        mask = mask[bi][:, query_heads]
-        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
-    if getattr(node, "_saved_is_causal", False):
-        causal = torch.ones(length, kv_length, dtype=torch.bool, device=grad.device).tril()
-        scores = scores.masked_fill(~causal, -math.inf)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows have no gradient
-    keep = None
-    if dropout > 0.0:
-        generator = torch.Generator(device=grad.device).manual_seed(0)
-        keep = (torch.rand(probs.shape, generator=generator, device=grad.device) >= dropout) / (1.0 - dropout)
-    if edge == 2:
-        return _sum_groups((probs if keep is None else probs * keep).transpose(-1, -2) @ do, group)
-    dp = do @ v.transpose(-1, -2)
-    if keep is not None:
-        dp = dp * keep
-    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
-    if edge == 0:
-        return ds @ k * scale
-    return _sum_groups(ds.transpose(-1, -2) @ q * scale, group)
+    k, v = key[bi][:, query_heads // group], value[bi][:, query_heads // group]
+    generator = torch.Generator(device=device).manual_seed(0) if dropout > 0.0 else None
+    # Query rows in chunks, so that the score matrices stay under _SCORES_LIMIT elements.
+    chunk = max(1, _SCORES_LIMIT // (q.shape[0] * q.shape[1] * kv_length))
+    dq_rows, total = [], None
+    for start in range(0, len(query_rows), chunk):
+        rows = query_rows[start : start + chunk]
+        scores = q[:, :, rows] @ k.transpose(-1, -2) * scale
+        if mask is not None:
+            chosen = mask[bi[:, None, None], query_heads[None, :, None], rows[None, None, :]]
+            scores = scores.masked_fill(~chosen, -math.inf) if chosen.dtype == torch.bool else scores + chosen.float()
+        if getattr(node, "_saved_is_causal", False):  # top-left aligned, as torch's math attention
+            scores = scores.masked_fill(torch.arange(kv_length, device=device) > rows[:, None], -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows have no gradient
+        keep = None
+        if generator is not None:
+            keep = (torch.rand(probs.shape, generator=generator, device=device) >= dropout) / (1.0 - dropout)
+        rows_do = do[:, :, rows]
+        if edge == 2:
+            part = (probs if keep is None else probs * keep).transpose(-1, -2) @ rows_do
+        else:
+            dp = rows_do @ v.transpose(-1, -2)
+            if keep is not None:
+                dp = dp * keep
+            ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+            if edge == 0:
+                dq_rows.append(ds @ k * scale)
+                continue
+            part = ds.transpose(-1, -2) @ q[:, :, rows] * scale
+        total = part if total is None else total + part
+    return torch.cat(dq_rows, dim=2) if edge == 0 else _sum_groups(total, group)
 
 
 def _heads_layout(tensor: torch.Tensor | None) -> torch.Tensor | None:

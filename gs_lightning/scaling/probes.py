@@ -348,7 +348,7 @@ def rnn_probe(
         (unreadable saved tensors, packed sequences, dropout between layers).
     """
     name = type(node).__name__
-    if edge not in RNN_PROBED.get(name, ()) or grads[0] is None and all(g is None for g in grads):
+    if edge not in RNN_PROBED.get(name, ()) or all(g is None for g in grads):
         return None
     spec = _mkldnn_spec(node) if name == "MkldnnRnnLayerBackward0" else _cudnn_spec(node)
     if spec is None:

@@ -209,10 +209,27 @@ class _DropTips(logging.Filter):
         return not str(record.msg).startswith("💡 Tip")
 
 
+# Lightning's loggers (both package names: the plugins serve either). rank_zero_info logs through
+# the last imported package's "<package>.utilities.rank_zero".
+_LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+
+
 def _quiet_lightning() -> None:
-    """Drop Lightning's advertising tips and two notices that do not apply to this app's runs."""
-    for name in ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_DropTips())
+    """Lightning's notices go where the app's own lines go, without its advertising tips and two
+    warnings that do not apply to these runs.
+
+    Imported before Hydra configures logging (as ``train.py`` does), Lightning prints through
+    handlers of its own to stderr and keeps its records from the root logger, so ``train.log``
+    missed them. Under Hydra (the root logger has handlers) they propagate to the root instead.
+    """
+    if logging.getLogger().handlers:
+        for name in _LIGHTNING_LOGGERS:
+            logger = logging.getLogger(name)
+            for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+                logger.removeHandler(handler)
+            logger.propagate = True
+    for name in _LIGHTNING_LOGGERS[1:]:
+        logging.getLogger(f"{name}.utilities.rank_zero").addFilter(_DropTips())
     # Our fp16 plugins report "16-mixed", which the model summary cannot size; fp32 is what it shows.
     warnings.filterwarnings("ignore", message="Precision 16-mixed is not supported by the model summary")
     # Lightning 2.6 calls a torch pytree API that torch 2.14 deprecates; nothing a user can act on.

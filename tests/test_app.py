@@ -1,22 +1,30 @@
-"""The Hydra app: every recipe x precision composes and runs fast_dev_run on tiny generated data
-in the real on-disk formats; the no-argument demo runs; bad input stops with one clear message."""
+"""The Hydra app (train.py, gs_lightning/app.py): every recipe fits, validates, tests and resumes
+on tiny generated data in its real on-disk format; every precision trains; a run killed with
+SIGKILL resumes to the very weights of an uninterrupted one; bad input stops with one line."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
-from gs_lightning.app import build, register_recipes
+from gs_lightning.app import build, objective, register_recipes, run
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = register_recipes(ROOT / "recipes")
 PRECISIONS = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
+QUIET = ["++trainer.enable_progress_bar=false", "++trainer.enable_model_summary=false", "trainer.accelerator=cpu"]
 
 
 def _tiny(recipe: str, data_dir: Path) -> list[str]:
@@ -26,13 +34,15 @@ def _tiny(recipe: str, data_dir: Path) -> list[str]:
             f"data.root={data_dir / 'camvid'}",
             "++data.synthetic={n_train: 4, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
             "data.batch_size=2",
+            "data.num_workers=0",
             "model.width=4",
         ]
     if recipe.startswith("resnet"):
         return [
             f"data.root={data_dir / 'imagenet'}",
-            "++data.synthetic={num_classes: 4, n_train_per_class: 2, n_val_per_class: 1, size: [32, 32], seed: 0}",
-            "data.batch_size=4",
+            "++data.synthetic={num_classes: 4, n_train_per_class: 1, n_val_per_class: 1, size: [32, 32], seed: 0}",
+            "data.batch_size=2",
+            "data.num_workers=0",
             "data.image_size=32",
             "data.val_resize=36",
             "task.num_classes=4",
@@ -41,6 +51,7 @@ def _tiny(recipe: str, data_dir: Path) -> list[str]:
         f"data.root={data_dir / 'voc'}",
         "++data.synthetic={years: ['2007'], n_trainval: 4, n_test: 2, size: [64, 80], seed: 0}",
         "data.batch_size=2",
+        "data.num_workers=0",
         "model.pretrained=false",
         "model.width_mult=0.03125",
     ]
@@ -51,63 +62,217 @@ def _compose(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=overrides)
 
 
-def test_recipes_and_precisions_are_the_documented_ones() -> None:
-    assert RECIPES == ["demo", "resnet18", "resnet50", "segnet", "ssd300", "ssd512"]
-    assert PRECISIONS == ["bf16", "dynamic", "fixed", "fp16", "fp32", "gs"]
+def _recipe(recipe: str, out: Path, data_dir: Path, *overrides: str) -> DictConfig:
+    return _compose([f"recipe={recipe}", f"paths.output_dir={out}", *QUIET, *_tiny(recipe, data_dir), *overrides])
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_fits_validates_tests_and_resumes(recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two epochs of two steps with validation, then the test split; then a resume from its own
+    last.ckpt (loaded with weights_only=True) for one more epoch and the test again. fp32 keeps
+    the big recipes quick; the demo runs in fp16 with gradient scaling, as a user runs it."""
+    data_dir = tmp_path_factory.getbasetemp() / "data"
+    out = tmp_path_factory.mktemp(recipe)
+    precision = "gs" if recipe == "demo" else "fp32"
+    schedule = [f"precision={precision}", "trainer.max_steps=4", "trainer.check_val_every_n_epoch=1", "trainer.val_check_interval=null"]
+    cfg = _recipe(recipe, out / "first", data_dir, *schedule)
+    metrics = run(cfg)
+    metric = objective(cfg, metrics)
+    assert metric is not None and metric == metrics[cfg.optimized_metric]
+    assert cfg.optimized_metric.startswith("test/") and cfg.optimized_metric.replace("test/", "val/") in metrics
+    last = out / "first" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+
+    resumed = _recipe(recipe, out / "resumed", data_dir, *schedule, "trainer.max_steps=6", f"ckpt_path={last}")
+    metrics = run(resumed)
+    assert cfg.optimized_metric in metrics
+    assert torch.load(out / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_fast_dev_run(recipe: str, precision: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_every_precision_trains_the_demo(precision: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each precision option builds its plugin from the config, with the overrides given, and trains."""
     data_dir = tmp_path_factory.getbasetemp() / "data"
-    out = tmp_path_factory.mktemp(f"{recipe}-{precision}")
-    cfg = _compose(
-        [f"recipe={recipe}", f"precision={precision}", f"paths.output_dir={out}", "trainer.fast_dev_run=true",
-         "trainer.accelerator=cpu", "data.num_workers=0", *_tiny(recipe, data_dir)]
-    )
-    run = build(cfg)
-    run.trainer.fit(run.task, datamodule=run.datamodule)
-    assert run.trainer.state.finished
-    assert all(p.isfinite().all() for p in run.task.parameters())
+    overrides = {"gs": ["precision.update_interval=1000"], "fixed": ["precision.scale=4096"]}.get(precision, [])
+    cfg = _recipe("demo", tmp_path_factory.mktemp(precision), data_dir, f"precision={precision}", "trainer.fast_dev_run=true", *overrides)
+    built = build(cfg)
+    built.trainer.fit(built.task, datamodule=built.datamodule)
+    assert built.trainer.state.finished and built.trainer.global_step == 1
+    assert all(p.isfinite().all() for p in built.task.parameters())
+    plugin = built.trainer.precision_plugin
     if precision == "gs":
-        scaler = run.trainer.precision_plugin.scaler
-        assert scaler.iteration == 1 and scaler.scales()
+        assert plugin.scaler.update_interval == 1000 and plugin.scaler.scales()
+    if precision == "fixed":
+        assert plugin.scale == 4096
 
 
-def test_overrides_reach_the_plugin(tmp_path: Path) -> None:
-    cfg = _compose(["precision=gs", "precision.update_interval=1000", f"paths.output_dir={tmp_path}"])
-    assert cfg.precision.update_interval == 1000
-    cfg = _compose(["precision=fixed", "precision.scale=4096", f"paths.output_dir={tmp_path}"])
-    assert cfg.precision.scale == 4096
+def test_recipes_are_the_yaml_files_of_the_folder(tmp_path: Path) -> None:
+    """A YAML file dropped into a recipes folder becomes `recipe=<its name>`, inheriting as written."""
+    (tmp_path / "tiny_segnet.yaml").write_text("# @package _global_\ndefaults:\n  - segnet\n  - _self_\nmodel:\n  width: 8\n")
+    (tmp_path / "segnet.yaml").write_text((ROOT / "recipes" / "segnet.yaml").read_text())
+    assert register_recipes(tmp_path) == ["segnet", "tiny_segnet"]
+    cfg = _compose(["recipe=tiny_segnet", f"paths.output_dir={tmp_path}"])
+    assert cfg.model.width == 8 and cfg.model.kernel_size == 7 and cfg.optimized_metric == "test/miou"
+    register_recipes(ROOT / "recipes")
 
 
-def _train(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GS_CACHE_DIR": str(tmp_path / "cache"), "GS_DATA_DIR": str(tmp_path / "data")}
+def test_demo_inherits_the_segnet_recipe() -> None:
+    demo, segnet = _compose(["recipe=demo", "paths.output_dir=x"]), _compose(["recipe=segnet", "paths.output_dir=x"])
+    assert demo.task.class_weights == segnet.task.class_weights == "median_frequency"
+    assert demo.model._target_ == segnet.model._target_ and demo.optimized_metric == segnet.optimized_metric
+    assert (demo.model.width, demo.model.kernel_size, segnet.model.width, segnet.model.kernel_size) == (16, 3, 64, 7)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "GS_CACHE_DIR": str(tmp_path / "cache"), "GS_DATA_DIR": str(tmp_path / "data")}
+
+
+def _train(args: list[str], tmp_path: Path, run_dir: str = "run", timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / run_dir}", *args],
+        cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout,
     )
 
 
+@pytest.mark.slow
 def test_default_run_without_arguments(tmp_path: Path) -> None:
-    """`python train.py` with only a shorter schedule: generates the data, trains, tests, plots."""
+    """`python train.py` with only a shorter schedule: generates the data, trains, tests, plots, and
+    ends saying where everything is and how to read the scale table; train.log holds the same."""
     result = _train(["trainer.max_steps=12", "trainer.check_val_every_n_epoch=1", "callbacks.gradient_scaling.log_every_n_steps=4"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "test/miou" in result.stdout
-    assert "Per-layer gradient scales" in result.stdout and "classifier.cast" in result.stdout
-    plots = [line.split("Plot: ", 1)[1] for line in result.stdout.splitlines() if line.startswith("Plot: ")]
+    out = result.stdout
+    assert "test/miou" in out and "Per-layer gradient scales" in out and "classifier.cast" in out
+    assert "How to read the scales:" in out and "💡" not in out + result.stderr
+    places = dict(re.findall(r"^(Run directory|Checkpoint|Dataset|Plot|Log): +(\S+)", out, re.MULTILINE))
+    assert Path(places["Run directory"]) == tmp_path / "run"
+    assert Path(places["Checkpoint"]) == tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert Path(places["Dataset"]) == tmp_path / "cache" / "camvid_synthetic_48x64"
+    assert (Path(places["Dataset"]) / "trainannot").is_dir()
+    plots = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Plot:")]
     assert len(plots) == 2 and all(Path(p).is_file() for p in plots)
-    assert (tmp_path / "cache" / "camvid_synthetic_48x64" / "trainannot").is_dir()
+    log = Path(places["Log"]).read_text()
+    assert "Final metrics:" in log and "How to read the scales:" in log
 
 
-def test_missing_dataset_names_path_and_layout(tmp_path: Path) -> None:
-    result = _train(["recipe=segnet", f"data.root={tmp_path / 'nowhere'}", "trainer.accelerator=cpu"], tmp_path, timeout=120)
-    assert result.returncode == 1
-    assert str(tmp_path / "nowhere") in result.stderr and "expected" in result.stderr and "annot" in result.stderr
-    assert "Traceback" not in result.stderr
+def _tiny_demo(steps: int) -> list[str]:
+    return [
+        "data.root=${paths.cache_dir}/camvid",
+        "++data.synthetic={n_train: 4, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
+        "data.batch_size=2",
+        "model.width=4",
+        f"trainer.max_steps={steps}",
+        "trainer.check_val_every_n_epoch=1",
+        "trainer.accelerator=cpu",
+    ]
 
 
-def test_bad_precision_value_names_the_option(tmp_path: Path) -> None:
+def _kill_mid_epoch(args: list[str], tmp_path: Path, epoch: int, batch: int) -> str:
+    """Start train.py and SIGKILL it as soon as its progress bar shows ``batch`` of epoch ``epoch``;
+    return what it printed."""
+    process = subprocess.Popen(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'killed'}", *args],
+        cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    seen = bytearray()
+    mark = re.compile(rf"Epoch {epoch}: +\d+%\|[^|]*\| {batch}/".encode())  # tqdm: "Epoch 2:  50%|█████     | 2/4"
+    reader = threading.Thread(target=lambda: [seen.extend(chunk) for chunk in iter(lambda: process.stdout.read1(4096), b"")])
+    reader.start()
+    deadline = time.monotonic() + 240
+    while not mark.search(seen) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    reader.join()
+    assert process.returncode == -signal.SIGKILL, seen.decode(errors="replace")[-3000:]
+    return seen.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    """kill -9 after the first batch of epoch 2 (of 3 epochs of 2 steps), resume from last.ckpt
+    (written at the end of epoch 1): the final weights and test metrics equal an uninterrupted
+    run's, bit for bit (CPU, fp16 with gradient scaling, random flips drawn in the main process)."""
+    args = _tiny_demo(6)
+    straight = _train(args, tmp_path, "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    progress = _kill_mid_epoch(args, tmp_path, epoch=2, batch=1)
+    checkpoint = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 4, progress[-2000:]
+    resumed = _train([*args, f"ckpt_path={checkpoint}"], tmp_path, "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+
+    final = {name: _weights(tmp_path / name / "checkpoints" / "last.ckpt") for name in ("straight", "resumed")}
+    assert final["straight"].keys() == final["resumed"].keys()
+    assert all(torch.equal(final["straight"][k], final["resumed"][k]) for k in final["straight"])
+    metrics = [re.findall(r"^  (test/\S+) +(\S+)$", result.stdout, re.MULTILINE) for result in (straight, resumed)]
+    assert metrics[0] and metrics[0] == metrics[1]
+
+
+def _error(overrides: list[str], tmp_path: Path) -> str:
+    """The message the app exits with (in-process), or fail if it does not exit."""
+    with pytest.raises(SystemExit) as info:
+        run(_compose([f"paths.output_dir={tmp_path / 'out'}", *QUIET, *overrides]))
+    message = info.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def test_missing_dataset_names_the_absolute_path_and_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    message = _error(["recipe=ssd300", "data.root=data", "model.pretrained=false", "model.width_mult=0.03125", "data.num_workers=0"], tmp_path)
+    voc = tmp_path / "data" / "VOCdevkit" / "VOC2007"
+    assert f"VOC year folder {voc} not found" in message and f"data.root={tmp_path / 'data'}" in message
+
+
+def test_batch_size_out_of_range(tmp_path: Path) -> None:
+    message = _error(["data.batch_size=0"], tmp_path)
+    assert message == "error: data: batch_size must be a whole number >= 1 (samples per device and step), got 0"
+
+
+def test_unknown_synthetic_key_lists_the_valid_ones(tmp_path: Path) -> None:
+    message = _error(["++data.synthetic.n_tran=5"], tmp_path)
+    assert message == "error: data: synthetic has unknown key(s) ['n_tran']; valid keys: n_train, n_val, n_test, size, seed"
+
+
+def test_unknown_setting_lists_the_valid_ones(tmp_path: Path) -> None:
+    message = _error(["++model.depth=3"], tmp_path)
+    assert message.startswith("error: model: unknown setting 'depth'; valid settings: num_classes,")
+
+
+def test_missing_pretrained_weights_say_where_to_put_them(tmp_path: Path) -> None:
+    message = _error(["recipe=ssd300", f"model.pretrained={tmp_path / 'vgg16.pth'}"], tmp_path)
+    assert not message.startswith("error: bad config value") and str(tmp_path / "vgg16.pth") in message
+
+
+@pytest.mark.parametrize(("logger", "module", "flag"), [("wandb", "lightning.pytorch.loggers.wandb", "_WANDB_AVAILABLE")])
+def test_logger_without_its_package_names_the_extra(logger: str, module: str, flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(f"{module}.{flag}", RequirementCache(f"{logger}>=1000"))  # as if not installed
+    message = _error([f"logger={logger}", "logger.name=run"], tmp_path)  # its default name needs a Hydra run
+    assert message == f'error: logger={logger} needs the {logger} package, which is not installed: pip install -e ".[{logger}]"'
+
+
+def test_corrupt_image_with_workers_is_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "camvid"
+    overrides = [*_tiny("demo", tmp_path)[1:], f"data.root={data}", "trainer.max_steps=2", "precision=fp32"]
+    overrides = [o.replace("data.num_workers=0", "data.num_workers=2") for o in overrides]
+    from gs_lightning.data.synthetic import write_synthetic_camvid
+
+    write_synthetic_camvid(data, n_train=4, n_val=2, n_test=2, size=(24, 32), seed=0)
+    bad = data / "train" / "synth_train_00001.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    message = _error(overrides, tmp_path)
+    assert message.startswith(f"error: cannot read image file {bad}: ") and f"(data.root={data};" in message
+
+
+def test_bad_values_exit_without_traceback(tmp_path: Path) -> None:
+    """As a user sees it: the process prints one line and exits 1."""
     result = _train(["precision.update_interval=0", "trainer.accelerator=cpu"], tmp_path, timeout=120)
     assert result.returncode == 1
-    assert "update_interval" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: precision: ") and "update_interval" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

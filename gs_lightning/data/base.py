@@ -86,7 +86,7 @@ class ImageDataModule(L.LightningDataModule):
             raise ValueError(f"num_workers must be a whole number >= 0 (0 loads in the main process), got {num_workers!r}")
         if synthetic is not None:
             check_keywords(self.synthetic_writer(), synthetic, "synthetic")
-        self.root = Path(root)
+        self.root = Path(root).expanduser().absolute()  # errors name the folder wherever the run started
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.synthetic = dict(synthetic) if synthetic is not None else None

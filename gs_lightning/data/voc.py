@@ -224,7 +224,7 @@ class VOCDetection(Dataset):
 
 def _read_split(year_dir: Path, split: str) -> list[str]:
     if not year_dir.is_dir():
-        raise DatasetError(f"{year_dir}: VOC year folder not found; {_LAYOUT}")
+        raise DatasetError(f"VOC year folder {year_dir} not found; {_LAYOUT}")
     split_file = year_dir / "ImageSets" / "Main" / f"{split}.txt"
     if not split_file.is_file():
         raise DatasetError(f"{split_file}: split file not found; {_LAYOUT} with one image id per line")

@@ -29,7 +29,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import torchvision
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
@@ -53,7 +52,7 @@ class _OpCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -144,12 +143,12 @@ def main() -> None:
     ops = {}
     for name, backward in methods.items():
         value = loss()
-        ops[name] = count_ops(lambda: backward(value))
+        ops[name] = count_ops(partial(backward, value))
     times: dict[str, list[float]] = {name: [] for name in methods}
     for round_ in range(args.rounds + 2):
         for name, backward in methods.items():
             value = loss()
-            elapsed = _time(lambda: backward(value), device)
+            elapsed = _time(partial(backward, value), device)
             if round_ >= 2:  # warm-up rounds
                 times[name].append(elapsed)
 

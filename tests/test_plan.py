@@ -28,7 +28,7 @@ def test_edge_shift_unscales_leaves_unless_deferred_and_meets_branches_at_their_
     graph = walk(_loss(_model()).grad_fn)
     leaf_edges = [(i, e) for i, edges in enumerate(graph.edges) for e in edges if e is not None and graph.names[e[0]] == "AccumulateGrad"]
     branch = next(slot for slot, count in graph.in_counts.items() if count > 1 and graph.names[slot[0]] != "AccumulateGrad")
-    i, leaf_edge = leaf_edges[0]
+    _, leaf_edge = leaf_edges[0]
     assert edge_shift(graph, leaf_edge, 5, {}, frozenset()) == -5
     assert edge_shift(graph, leaf_edge, 5, {}, frozenset({leaf_edge[0]})) == 0
     assert edge_shift(graph, branch, 5, {branch: 3}, frozenset()) == -2

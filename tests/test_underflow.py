@@ -190,3 +190,39 @@ def test_small_samples_generalise(kind: str) -> None:
         rates = torch.tensor(rates)
         assert rates.mean() <= TARGET, (n, rates.mean())
         assert rates.quantile(0.9) <= LIMIT, (n, rates.quantile(0.9))
+
+
+# --- the paper's models (Theorems 1 and 2) and the choice of a power of two ------------------
+
+
+def _rate(values: torch.Tensor, threshold: float) -> float:
+    return float((values.abs() <= threshold).double().mean())
+
+
+@pytest.mark.parametrize("sigma", [1e-7, 3e-6, 2e-4])
+def test_theorem1_scale_meets_target_on_normal_samples(sigma: float) -> None:
+    samples = torch.randn(2_000_000, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * sigma
+    k = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET), math.inf)
+    assert k > 0
+    assert _rate(samples * 2.0**k, LAMBDA) <= TARGET
+    assert _rate(samples * 2.0 ** (k - 1), LAMBDA) > TARGET
+    assert underflow.gemm_underflow_rate(k, sigma, LAMBDA) <= TARGET < underflow.gemm_underflow_rate(k - 1, sigma, LAMBDA)
+
+
+@pytest.mark.parametrize(("mu", "sigma"), [(-20.0, 1.5), (-14.0, 3.0)])
+def test_theorem2_scale_meets_target_on_lognormal_samples(mu: float, sigma: float) -> None:
+    samples = torch.exp(mu + sigma * torch.randn(2_000_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    k = underflow.choose_log2_scale(underflow.cast_min_log2_scale(mu, sigma, LAMBDA, TARGET), math.inf)
+    assert _rate(samples * 2.0**k, LAMBDA) <= TARGET
+    assert _rate(samples * 2.0 ** (k - 1), LAMBDA) > TARGET
+
+
+def test_scale_rounding_and_clamping() -> None:
+    assert underflow.choose_log2_scale(3.2, math.inf) == 4  # underflow bound rounded up
+    assert underflow.choose_log2_scale(-5.0, math.inf) == 0  # never below 1 without overflow
+    assert underflow.choose_log2_scale(10.0, 6.5) == 6  # overflow bound rounded down
+    assert underflow.choose_log2_scale(10.0, 6.0) == 5  # strict: α < 2^6
+    assert underflow.choose_log2_scale(0.0, -2.3) == -3  # overflow forces a scale below 1
+    assert underflow.branch_log2_scale([5, 9, 2], 2.0**-4, 2.0**16) == 9
+    assert underflow.branch_log2_scale([5, 9, 2], 2.0**10, 2.0**16) == 5
+    assert underflow.branch_log2_scale([5, 9], 2.0**20, 2.0**16) == -5  # halve the smallest until it fits

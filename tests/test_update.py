@@ -24,7 +24,7 @@ def _underflow(grad: torch.Tensor, log2_total: int) -> float:
     return float((nonzero & (magnitude * 2.0**log2_total < LAMBDA_MIN)).sum() / nonzero.sum())
 
 
-def _layer(scaler: GradientScaler, name: str):  # noqa: ANN202
+def _layer(scaler: GradientScaler, name: str):
     return next(layer for layer in scaler.layers() if layer.name == name)
 
 
@@ -87,3 +87,30 @@ def test_fused_attention_is_a_decision_point_that_meets_the_target() -> None:
     attention = _layer(scaler, "proj.attention")
     assert attention.kind == "attention" and attention.log2_scale > 0
     assert max(_underflow(g, attention.log2_total) for g in exact) <= 2 * TARGET
+
+
+def _capture_gemm_output(scale_g: float, weight_std: float, lambda_min: str) -> tuple[torch.Tensor, GradientScaler]:
+    """Gradient leaving a Linear layer in fp16, as it is stored, scaled by the chosen scales."""
+    torch.manual_seed(4)
+    layer = nn.Linear(256, 64, bias=False)
+    nn.init.normal_(layer.weight, std=weight_std)
+    x0 = torch.randn(1024, 256, requires_grad=True)
+    upstream = torch.randn(1024, 64) * scale_g
+    captured: list[torch.Tensor] = []
+    scaler = GradientScaler(layer, lambda_min=lambda_min)
+    with torch.autocast("cpu", dtype=torch.float16):
+        x = (x0 * 1.0).half()  # a non-leaf, so the layer's input gradient is an activation gradient
+        x.register_hook(captured.append)
+        loss = (layer(x).float() * upstream).sum()
+    scaler.backward(loss)
+    return captured[0], scaler
+
+
+def test_gemm_scale_meets_target_in_fp16() -> None:
+    """End to end: the fp16 gradient a Linear layer sends on has ~γ' of its elements below λmin."""
+    grad, scaler = _capture_gemm_output(1e-9, 0.05, "normal")
+    threshold = scaler.lambda_min_value  # fp16 values below the smallest normal are subnormal
+    assert grad.dtype == torch.float16 and scaler.scales()["Linear"] > 1.0
+    below = lambda g: float((g.abs() < threshold).double().mean())
+    assert below(grad.float()) <= TARGET
+    assert below(grad.float() / 2) > TARGET  # half the scale misses the target

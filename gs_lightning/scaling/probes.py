@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import Node
 
-from gs_lightning.scaling.graph import saved_tensor
+from gs_lightning.scaling.graph import ATTENTION_NODES, RNN_NODES, saved_tensor
 
 # Upper bound on the number of values a probe returns.
 PROBE_ELEMENTS = 2**16
@@ -319,10 +319,7 @@ _LSTM = 2
 
 # Per fused RNN node type: the edges whose gradient :func:`rnn_probe` computes (input; for oneDNN's
 # single-layer node also the initial hidden and cell states).
-RNN_PROBED: dict[str, frozenset[int]] = {
-    "MkldnnRnnLayerBackward0": frozenset({0, 5, 6}),
-    "CudnnRnnBackward0": frozenset({0}),
-}
+RNN_PROBED: dict[str, frozenset[int]] = {name: frozenset(edges) for name, edges in RNN_NODES.items()}
 
 
 def rnn_probe(
@@ -468,20 +465,13 @@ def _projected_lstm_step(
     return (torch.sigmoid(o) * torch.tanh(c)) @ w_hr.t(), c
 
 
-_ATTENTION_NODES = (
-    "ScaledDotProductFlashAttentionForCpuBackward0",
-    "ScaledDotProductFlashAttentionBackward0",
-    "ScaledDotProductEfficientAttentionBackward0",
-    "ScaledDotProductCudnnAttentionBackward0",
-)
-
 _PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None, int], torch.Tensor | None]] = {
     "ConvolutionBackward0": _convolution,
     "AddmmBackward0": _matmul_probe(1, 2, "mat1", "mat2"),
     "MmBackward0": _matmul_probe(0, 1, "self", "mat2"),
     "BmmBackward0": _matmul_probe(0, 1, "self", "mat2"),
     "BaddbmmBackward0": _matmul_probe(1, 2, "batch1", "batch2"),
-    **dict.fromkeys(_ATTENTION_NODES, _attention),
+    **dict.fromkeys(ATTENTION_NODES, _attention),
 }
 
 PROBED: frozenset[str] = frozenset(_PROBES)

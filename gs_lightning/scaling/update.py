@@ -15,7 +15,14 @@ from functools import partial
 
 import torch
 
-from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.graph import (
+    GEMM_OPERANDS,
+    RNN_NODES,
+    WEIGHT_GRAD_BOUNDS,
+    AutogradGraph,
+    GraphAnalysis,
+    Slot,
+)
 from gs_lightning.scaling.plan import ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import probe, rnn_probe
 from gs_lightning.scaling.underflow import (
@@ -172,7 +179,7 @@ class UpdateRun:
             if i in a.fused:
                 return self._fused_scale(i, grad, alpha, grads)
             return self._cast_scale(i, grad, alpha)
-        except Exception as error:  # never crash training: this node passes its scale through
+        except Exception as error:  # noqa: BLE001 - never crash training: this node passes its scale through
             node_type = self.graph.names[i]
             self._warn(
                 f"stats:{node_type}",
@@ -211,8 +218,8 @@ class UpdateRun:
         parts = self._stash.pop(slot, [])
         common = self.slot_alpha[slot] = self._common(parts) if parts else alpha
         total = None
-        for grad, a in parts:  # in arrival order, as autograd itself would sum them
-            term = times_pow2(grad, common - a)
+        for part, a in parts:  # in arrival order, as autograd itself would sum them
+            term = times_pow2(part, common - a)
             total = term if total is None else total + term
         return total
 

@@ -49,7 +49,7 @@ main() {
     stage "nvidia-smi" 15 nvidia-smi
     stage "versions" 40 bash -c versions
     stage "fidelity" 210 python bench/fidelity.py --device cuda --size realistic
-    stage "overhead" 90 python bench/overhead.py --device cuda --arch resnet50 --batch-size 256 --image-size 224 --rounds 10
+    stage "overhead" 120 python bench/overhead.py --device cuda --autocast --arch resnet50 --batch-size 256 --image-size 224 --rounds 10
     stage "step_time" 90 python bench/step_time.py --device cuda --size realistic
     echo
     echo "=== done, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), ${SECONDS} s ==="

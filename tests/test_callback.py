@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 import warnings
 from pathlib import Path
 
@@ -54,8 +55,10 @@ def test_csv_metrics_have_the_scales_at_every_nth_step_and_the_end(tmp_path: Pat
     assert [float(row["gs/skipped_steps"]) for row in rows] == [0.0, 1.0, 1.0]
     for layer in layers:
         assert float(rows[-1][f"gs/scale/{layer.name}"]) == layer.log2_scale
+        assert float(rows[-1][f"gs/total/{layer.name}"]) == layer.log2_total
         assert float(rows[-1][f"gs/underflow/{layer.name}"]) == pytest.approx(layer.underflow_rate)
-    assert sorted(callback.history) == [2, 4, 5]
+    assert sorted(callback.history) == sorted(callback.totals) == [2, 4, 5]
+    assert callback.totals[5] == {layer.name: float(layer.log2_total) for layer in layers}
 
     assert [p.name for p in callback.plot_paths] == ["scale_heatmap.png", "scale_mean_std.png"]
     for path in callback.plot_paths:
@@ -112,9 +115,14 @@ def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Pat
         logged.update({(step, layer): value for step, layer, value in content["data"]})
     assert logged == {(step, layer): value for step, scales in callback.history.items() for layer, value in scales.items()}
     # The logged metrics are in the run's transaction log (protobuf): their keys are stored verbatim.
+    # W&B's service process may still be writing it after wandb.finish() returns on a busy machine.
     (log,) = run.glob("run-*.wandb")
+    keys = ["gs/skipped_steps", *(f"gs/{kind}/{layer}" for kind in ("scale", "total", "underflow") for layer in callback.history[4])]
+    deadline = time.monotonic() + 30
+    while not all(key.encode() in log.read_bytes() for key in keys) and time.monotonic() < deadline:
+        time.sleep(0.2)
     records = log.read_bytes()
-    for key in ["gs/skipped_steps", *(f"gs/{kind}/{layer}" for kind in ("scale", "underflow") for layer in callback.history[4])]:
+    for key in keys:
         assert key.encode() in records, key
 
 
@@ -125,6 +133,8 @@ def test_plots_and_table_from_a_history(tmp_path: Path) -> None:
     assert math.isnan(matrix[2, 1]) and matrix[1, 2] == -2.0
     assert plot_scale_heatmap(history, tmp_path / "a/heat.png").read_bytes().startswith(PNG)
     assert plot_scale_mean_std(history, tmp_path / "a/mean.png").read_bytes().startswith(PNG)
+    totals = {step: {layer: value + 5 for layer, value in scales.items()} for step, scales in history.items()}
+    assert plot_scale_mean_std(history, tmp_path / "a/both.png", totals=totals).read_bytes().startswith(PNG)
     with open(save_scale_history(history, tmp_path / "h.csv")) as file:
         assert list(csv.reader(file)) == [["step", *layers], ["10", "3", "1", "2"], ["20", "4", "1", ""], ["30", "4", "-2", "3"]]
     assert np.nanmean(matrix, axis=1).tolist() == pytest.approx([11 / 3, 0.0, 2.5])

@@ -1,4 +1,4 @@
-"""SegmentationTask and ClassificationTask: fast_dev_run fits, loss, lr schedule, weight decay."""
+"""SegmentationTask and ClassificationTask: fast_dev_run fits and tests, loss, lr schedule, weight decay."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,6 +92,8 @@ def test_classification_fast_dev_run(tmp_path: Path) -> None:
     for name in ("train/loss", "val/loss", "val/top1", "val/top5"):
         assert torch.isfinite(metrics[name]), name
     assert metrics["val/top5"] == 1.0, "top-5 clamped to top-3 of 3 classes always hits"
+    (tested,) = trainer.test(task, datamodule=dm, verbose=False)  # ImageNet's test split: its val images
+    assert sorted(tested) == ["test/loss", "test/top1", "test/top5"] and tested["test/top5"] == 1.0
 
 
 def test_warmup_multistep_lambda() -> None:

@@ -97,7 +97,7 @@ def plot_scale_mean_std(history: History, path: str | Path, totals: History | No
     ax.set_ylabel("layer (backward order)")
     ax.set_title("Gradient scale per layer")
     if len(series) > 1:
-        ax.legend(loc="lower right", fontsize=8)
+        fig.legend(loc="outside lower center", ncols=len(series), fontsize=8)
     return _save(fig, path)
 
 

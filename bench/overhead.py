@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.graph import walk
+from gs_lightning.scaling.plan import LeafTargets
 
 
 def _time(fn: Callable[[], None], device: torch.device) -> float:
@@ -75,13 +76,13 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         return (time.perf_counter() - start) / repeats * 1e3
 
     graph = walk(loss.grad_fn)
-    deferred = frozenset(scaler._analysis.leaf_sources)
+    leaves = LeafTargets(deferred=frozenset(scaler._analyses[()].leaf_sources))
 
     def register_and_remove() -> None:
-        for handle in scaler._plan.replay(graph, deferred):
+        for handle in scaler._plans[()].replay(graph, leaves):
             handle.remove()
 
-    handles = scaler._plan.replay(graph, deferred)
+    handles = scaler._plans[()].replay(graph, leaves)
     hooks = len(handles)
     for handle in handles:
         handle.remove()
@@ -89,7 +90,7 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         "graph nodes": len(graph.nodes),
         "hooks": hooks,
         "walk ms": per_call(lambda: walk(loss.grad_fn)),
-        "structure check ms": per_call(lambda: scaler._plan.matches(graph)),
+        "structure check ms": per_call(lambda: scaler._plans[()].matches(graph)),
         "hook register+remove ms": per_call(register_and_remove),
     }
 

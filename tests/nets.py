@@ -171,3 +171,18 @@ class CheckpointedNet(nn.Module):
             h = h + checkpoint(self._block, block, h, use_reentrant=self.use_reentrant)  # in a residual branch
         h = checkpoint_sequential(self.tail, 2, h, use_reentrant=self.use_reentrant)
         return self.head(h)
+
+
+class CheckpointSharedNet(nn.Module):
+    """One layer used outside and inside a reentrant checkpoint: its ``.grad`` gets contributions
+    from the outer backward and from the checkpoint's inner one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(x).relu()
+        h = h + checkpoint(lambda t: self.shared(t).relu(), h, use_reentrant=True)
+        return self.head(h)

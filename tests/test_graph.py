@@ -55,9 +55,9 @@ def test_nodes_are_classified_and_named_after_their_modules() -> None:
     assert {id(graph.nodes[j].variable) for j in analysis.leaf_sources} == {id(p) for p in model.parameters()} | {id(x)}
 
 
-def test_reentrant_checkpoint_is_an_unscaling_node() -> None:
+def test_reentrant_checkpoint_is_recognised() -> None:
     layer = nn.Linear(4, 4)
     out = checkpoint(layer, torch.randn(2, 4, requires_grad=True), use_reentrant=True)
     graph = walk(out.sum().grad_fn)
     analysis = analyze(graph, {})
-    assert [graph.names[i] for i in analysis.unscaling] == ["CheckpointFunctionBackward"]
+    assert [graph.names[i] for i in analysis.reentrant] == ["CheckpointFunctionBackward"] and not analysis.opaque

@@ -10,7 +10,7 @@ from torch import nn
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.graph import analyze, walk
-from gs_lightning.scaling.plan import ScalePlan, edge_shift
+from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift
 
 
 def _model() -> nn.Module:
@@ -24,15 +24,17 @@ def _loss(model: nn.Module) -> torch.Tensor:
     return F.cross_entropy(model[2](h) + model[2](h * 0.5), torch.arange(32) % 4) * 1e-6  # a branch at h
 
 
-def test_edge_shift_unscales_leaves_unless_deferred_and_meets_branches_at_their_scale() -> None:
+def test_edge_shift_brings_leaves_to_their_target_and_branches_to_their_scale() -> None:
     graph = walk(_loss(_model()).grad_fn)
     leaf_edges = [(i, e) for i, edges in enumerate(graph.edges) for e in edges if e is not None and graph.names[e[0]] == "AccumulateGrad"]
     branch = next(slot for slot, count in graph.in_counts.items() if count > 1 and graph.names[slot[0]] != "AccumulateGrad")
     _, leaf_edge = leaf_edges[0]
-    assert edge_shift(graph, leaf_edge, 5, {}, frozenset()) == -5
-    assert edge_shift(graph, leaf_edge, 5, {}, frozenset({leaf_edge[0]})) == 0
-    assert edge_shift(graph, branch, 5, {branch: 3}, frozenset()) == -2
-    assert edge_shift(graph, None, 5, {}, frozenset()) == 0
+    leaf = leaf_edge[0]
+    assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets()) == -5  # a parameter: its true gradient
+    assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets(deferred=frozenset({leaf}))) == 0  # unscaled later
+    assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets(exits=frozenset({leaf}), exit_alpha=2)) == -3  # handed on at 2^2
+    assert edge_shift(graph, branch, 5, {branch: 3}, LeafTargets()) == -2
+    assert edge_shift(graph, None, 5, {}, LeafTargets()) == 0
 
 
 def test_replay_adds_no_hook_for_deferred_leaves_and_stays_exact() -> None:
@@ -45,9 +47,8 @@ def test_replay_adds_no_hook_for_deferred_leaves_and_stays_exact() -> None:
     loss = _loss(model)
     graph = walk(loss.grad_fn)
     analysis = analyze(graph, {})
-    deferred = frozenset(analysis.leaf_sources)
-    per_edge = scaler._plan.replay(graph, frozenset())
-    fused = scaler._plan.replay(graph, deferred)
+    per_edge = scaler._plans[()].replay(graph, LeafTargets())
+    fused = scaler._plans[()].replay(graph, LeafTargets(deferred=frozenset(analysis.leaf_sources)))
     assert len(fused) < len(per_edge)
     for handle in per_edge + fused:
         handle.remove()
@@ -64,6 +65,7 @@ def test_plan_state_is_plain_containers_that_load_with_weights_only() -> None:
     torch.save(scaler.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    plan = ScalePlan.from_state_dict(state["plan"])
-    assert plan.alpha_out == scaler._plan.alpha_out and plan.slot_alpha == scaler._plan.slot_alpha
+    (path, plan_state), = state["plans"]
+    plan = ScalePlan.from_state_dict(plan_state)
+    assert path == [] and plan.alpha_out == scaler._plans[()].alpha_out and plan.slot_alpha == scaler._plans[()].slot_alpha
     assert plan.matches(walk(_loss(model).grad_fn))

@@ -211,10 +211,11 @@ ATTENTION_NODES = (
 RNN_NODES = {"MkldnnRnnLayerBackward0": (0, 5, 6), "CudnnRnnBackward0": (0,)}
 FUSED_EDGES: dict[str, tuple[int, ...]] = {**dict.fromkeys(ATTENTION_NODES, (0, 1, 2)), **RNN_NODES}
 
-# Reentrant activation checkpointing: its backward runs a second backward over a graph this walk
-# never sees, which accumulates straight into the parameters' ``.grad``. Its incoming gradient is
-# brought back to scale 1, so that graph runs unscaled and its parameters get true gradients.
-UNSCALING_NODES = frozenset({"CheckpointFunctionBackward"})
+# Reentrant activation checkpointing: its backward recomputes the block and runs a second backward
+# over the block's graph, which this walk never sees (``scaling/checkpointing.py`` scales it).
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+# The root of such an inner graph, added by ``scaling/checkpointing.py``: a pass-through, not opaque.
+CHECKPOINT_OUTPUTS = "CheckpointOutputsBackward"
 
 _LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn}
 
@@ -234,11 +235,11 @@ class GraphAnalysis:
         merge_nodes: Nodes with more than one input slot (split, unbind, multi-output Functions).
         slots: Node index -> the input slots that receive gradients.
         leaves: Indices of ``AccumulateGrad`` nodes.
-        layer_names: Name of every GEMM, cast, unscaling and opaque node, for reporting.
+        layer_names: Name of every GEMM, cast, fused and opaque node, for reporting.
         fused: Node index -> the probed edges of a fused attention or RNN node (``FUSED_EDGES``).
-        unscaling: Nodes whose incoming gradient is brought back to scale 1 (``UNSCALING_NODES``).
-        opaque: Nodes this walk cannot see into (custom autograd Functions, compiled regions,
-            fused kernels without a model): their gradients pass through with the scale they carry.
+        reentrant: Reentrant activation checkpoints, whose inner graphs are scaled on their own.
+        opaque: Nodes this walk cannot see into (custom autograd Functions, compiled regions):
+            their gradients pass through with the scale they carry.
         leaf_sources: Leaf index -> the node whose single edge feeds it (leaves fed by one edge).
     """
 
@@ -251,7 +252,7 @@ class GraphAnalysis:
     leaves: set[int] = field(default_factory=set)
     layer_names: dict[int, str] = field(default_factory=dict)
     fused: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    unscaling: set[int] = field(default_factory=set)
+    reentrant: set[int] = field(default_factory=set)
     opaque: set[int] = field(default_factory=set)
     leaf_sources: dict[int, int] = field(default_factory=dict)
 
@@ -289,17 +290,26 @@ def _is_cast(graph: AutogradGraph, i: int) -> bool:
 
 def _is_opaque(node: Node, name: str) -> bool:
     """A node whose backward runs code this walk cannot see: a custom Function or a compiled region."""
+    if name == CHECKPOINT_OUTPUTS:
+        return False
     return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 
 
-def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis:
+def analyze(graph: AutogradGraph, module_names: dict[int, str], data_leaves: frozenset[int] = frozenset()) -> GraphAnalysis:
     """Classify the nodes of ``graph`` and name its layers.
 
     Args:
         graph: A walked backward graph.
         module_names: ``id(parameter)`` -> qualified name of the module owning it, used to name
             GEMMs after their layer (``"layer1.0.conv1"``); unnamed GEMMs get ``"<Op><k>"``.
+        data_leaves: Leaves that hold activations, not weights (a reentrant checkpoint's inputs
+            in its inner graph): the gradients GEMMs send them are activation gradients.
     """
+
+    def weight_leaf(target: int) -> int | None:
+        leaf = _leaf_reached(graph, target)
+        return None if leaf in data_leaves else leaf
+
     analysis = GraphAnalysis()
     slots_per_node: dict[int, set[int]] = defaultdict(set)
     for (j, slot), count in graph.in_counts.items():
@@ -308,7 +318,7 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
         slots_per_node[j].add(slot)
         if count > 1:
             analysis.branch_slots.add((j, slot))
-    slots_per_node[0].add(0)  # the root receives the loss gradient
+    slots_per_node[0].update(range(len(graph.nodes[0]._input_metadata)))  # the root receives the loss gradient(s)
     analysis.slots = dict(slots_per_node)
     analysis.merge_nodes = {j for j, slots in slots_per_node.items() if len(slots) > 1}
 
@@ -326,10 +336,10 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
             data_edges = tuple(
                 k
                 for k, e in enumerate(edges)
-                if e is not None and k in GEMM_OPERANDS[name] and _leaf_reached(graph, e[0]) is None
+                if e is not None and k in GEMM_OPERANDS[name] and weight_leaf(e[0]) is None
             )
             analysis.gemms[i] = data_edges
-            analysis.weight_edges[i] = tuple(k for k, e in enumerate(edges) if e is not None and _leaf_reached(graph, e[0]) is not None)
+            analysis.weight_edges[i] = tuple(k for k, e in enumerate(edges) if e is not None and weight_leaf(e[0]) is not None)
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
         elif name in FUSED_EDGES:
             edges = graph.edges[i]
@@ -337,9 +347,8 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str]) -> GraphAnalysis
             own_name = _gemm_layer_name(graph, i, module_names)  # an RNN's weights; attention has none
             if own_name is not None:
                 analysis.layer_names[i] = unique(own_name)
-        elif name in UNSCALING_NODES:
-            analysis.unscaling.add(i)
-            analysis.layer_names[i] = unique(name)
+        elif name == REENTRANT_CHECKPOINT:
+            analysis.reentrant.add(i)
         elif _is_opaque(graph.nodes[i], name):
             analysis.opaque.add(i)
             analysis.layer_names[i] = unique(name)

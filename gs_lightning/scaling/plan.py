@@ -19,19 +19,38 @@ import torch
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, Slot
 
 
-def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: int, slot_alpha: dict[Slot, int], deferred: frozenset[int]) -> int:
+@dataclass(frozen=True)
+class LeafTargets:
+    """The scale each leaf of a graph must receive its gradient at.
+
+    Attributes:
+        deferred: Leaves left scaled during the backward; the scaler divides their ``.grad``
+            afterwards, all in one fused kernel per device and dtype.
+        exits: Leaves that hand their gradient on instead of keeping it (the inputs of a
+            reentrant checkpoint's inner graph): they receive it at ``exit_alpha``, the scale the
+            outer graph expects from the checkpoint node. Every other leaf receives it at 2^0.
+        exit_alpha: log2 of that scale.
+    """
+
+    deferred: frozenset[int] = frozenset()
+    exits: frozenset[int] = frozenset()
+    exit_alpha: int = 0
+
+
+def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: int, slot_alpha: dict[Slot, int], leaves: LeafTargets) -> int:
     """log2 of the factor a gradient sent with scale ``2^alpha`` gets on ``edge``.
 
-    * into a leaf: ``-alpha`` (unscaled in the leaf's own precision before autograd accumulates
-      it), unless the leaf is in ``deferred``: its ``.grad`` is then unscaled after the backward,
-      with every other deferred leaf, in one fused kernel per device and dtype;
+    * into a leaf: to the leaf's target scale (2^0, a parameter's true gradient, in the leaf's own
+      precision before autograd accumulates it), unless the leaf is deferred;
     * into a branch (a slot fed by several edges): to the branch's common scale;
     * anywhere else: unchanged.
     """
     if edge is None:
         return 0
     if graph.names[edge[0]] == LEAF:
-        return 0 if edge[0] in deferred else -alpha
+        if edge[0] in leaves.deferred:
+            return 0
+        return (leaves.exit_alpha if edge[0] in leaves.exits else 0) - alpha
     if graph.in_counts[edge] > 1:
         return slot_alpha[edge] - alpha
     return 0
@@ -60,16 +79,16 @@ class ScalePlan:
     edges: tuple[tuple[Slot | None, ...], ...]
     alpha_out: dict[int, int]
     slot_alpha: dict[Slot, int]
-    _hooks: dict[frozenset[int], list[tuple[int, tuple | None, tuple | None]]] = field(default_factory=dict, repr=False)
+    _hooks: dict[LeafTargets, list[tuple[int, tuple | None, tuple | None]]] = field(default_factory=dict, repr=False)
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has the structure this plan was decided for."""
         return graph.same_structure(self.names, self.edges)
 
-    def replay(self, graph: AutogradGraph, deferred: frozenset[int]) -> list:
+    def replay(self, graph: AutogradGraph, leaves: LeafTargets) -> list:
         """Register the constant-factor hooks of this plan on ``graph``; returns their handles."""
         handles = []
-        for i, pre, post in self._hook_factors(graph, deferred):
+        for i, pre, post in self._hook_factors(graph, leaves):
             node = graph.nodes[i]
             if pre is not None:
                 handles.append(node.register_prehook(partial(_scale_grad_outputs, pre)))
@@ -77,9 +96,9 @@ class ScalePlan:
                 handles.append(node.register_hook(partial(_scale_grad_inputs, post)))
         return handles
 
-    def _hook_factors(self, graph: AutogradGraph, deferred: frozenset[int]) -> list[tuple[int, tuple | None, tuple | None]]:
+    def _hook_factors(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, tuple | None, tuple | None]]:
         """(node, pre-hook factors, post-hook factors) for the nodes whose gradients change."""
-        hooks = self._hooks.get(deferred)
+        hooks = self._hooks.get(leaves)
         if hooks is not None:
             return hooks
         slots_of: dict[int, list[int]] = defaultdict(list)
@@ -94,12 +113,12 @@ class ScalePlan:
             for s in slots_of[i]:
                 shift = alpha - self.slot_alpha[(i, s)]
                 pre[s] = 2.0**shift if shift else None
-            post = [edge_shift(graph, edge, alpha, self.slot_alpha, deferred) for edge in edges]
+            post = [edge_shift(graph, edge, alpha, self.slot_alpha, leaves) for edge in edges]
             pre_t = tuple(pre) if any(f is not None for f in pre) else None
             post_t = tuple(2.0**s if s else None for s in post) if any(post) else None
             if pre_t or post_t:
                 hooks.append((i, pre_t, post_t))
-        self._hooks[deferred] = hooks
+        self._hooks[leaves] = hooks
         return hooks
 
     def state_dict(self) -> dict[str, Any]:

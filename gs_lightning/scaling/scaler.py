@@ -25,30 +25,56 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict
+from functools import partial
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
+from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
-from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, analyze, walk
-from gs_lightning.scaling.plan import ScalePlan
+from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
+from gs_lightning.scaling.plan import LeafTargets, ScalePlan
 from gs_lightning.scaling.update import LayerScale, Settings, UpdateRun
 
 _MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
 _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
-class _PreparedBackward:
-    """The hooks registered on one graph by :meth:`GradientScaler.scale`, until its backward ends."""
+Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
 
-    def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, deferred: frozenset[int], run: UpdateRun | None) -> None:
+
+class _PreparedBackward:
+    """The hooks registered on one graph, until its backward ends.
+
+    The loss's graph, or (``parent`` set) the inner graph of a reentrant checkpoint, prepared
+    while the outer backward runs.
+    """
+
+    def __init__(
+        self,
+        graph: AutogradGraph,
+        analysis: GraphAnalysis,
+        leaves: LeafTargets,
+        run: UpdateRun | None,
+        path: Path,
+        parent: _PreparedBackward | None,
+    ) -> None:
         self.graph = graph
         self.analysis = analysis
-        self.deferred = deferred
+        self.leaves = leaves
         self.run = run
+        self.path = path
+        self.parent = parent
         self.handles: list = []
+        self.inner: list[_PreparedBackward] = []
+
+    def leaf_ids(self) -> set[int]:
+        """Ids of this graph's leaf variables and those of every graph it is nested in."""
+        own = {id(self.graph.nodes[j].variable) for j in self.analysis.leaves}
+        return own | (self.parent.leaf_ids() if self.parent is not None else set())
 
     def remove_hooks(self) -> None:
         for handle in self.handles:
@@ -135,8 +161,8 @@ class GradientScaler:
         self._iteration = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
-        self._plan: ScalePlan | None = None
-        self._analysis: GraphAnalysis | None = None
+        self._plans: dict[Path, ScalePlan] = {}  # the loss's graph's, and each reentrant checkpoint's inner graph's
+        self._analyses: dict[Path, GraphAnalysis] = {}
         self._force_update = False
         self._backoff: int | None = None
         self._last_skip = 0  # iteration of the last skipped step
@@ -187,20 +213,8 @@ class GradientScaler:
             return loss
         if loss.numel() != 1:
             raise RuntimeError(f"GradientScaler: loss must be a scalar, got shape {tuple(loss.shape)}")
-        graph = walk(loss.grad_fn)
-        known = self._plan is not None and self._plan.matches(graph)
-        update = not known or self._force_update or self._iteration % self.update_interval == 0
-        if self._analysis is None or not known:
-            self._analysis = analyze(graph, self._module_names)
-            self._check_parameters(graph)
-            self._warn_unhandled(graph, self._analysis)
-        deferred = self._deferred_leaves(graph, self._analysis)
-        run = UpdateRun(graph, self._analysis, self._settings(), deferred, self._warn_once) if update else None
-        prepared = _PreparedBackward(graph, self._analysis, deferred, run)
-        # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
-        prepared.handles.append(loss.grad_fn.register_prehook(self._queue_finish))
-        prepared.handles += run.register() if run is not None else self._plan.replay(graph, deferred)
-        self._prepared = prepared
+        update = self._force_update or self._iteration % self.update_interval == 0
+        self._prepared = self._prepare(loss.grad_fn, (), update)
         return loss
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
@@ -296,7 +310,7 @@ class GradientScaler:
             "backoff": self._backoff,
             "last_skip": self._last_skip,
             "first_non_finite": self._first_non_finite,
-            "plan": self._plan.state_dict() if self._plan is not None else None,
+            "plans": [[list(path), plan.state_dict()] for path, plan in self._plans.items()],
             "layers": [asdict(layer) for layer in self._layers.values()],
         }
 
@@ -309,8 +323,9 @@ class GradientScaler:
         self._backoff = state["backoff"]
         self._last_skip = int(state["last_skip"])
         self._first_non_finite = state.get("first_non_finite")
-        self._plan = ScalePlan.from_state_dict(state["plan"]) if state["plan"] is not None else None
-        self._analysis = None
+        plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
+        self._plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in plans}
+        self._analyses = {}
         self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
 
     # --- one backward ------------------------------------------------------------------------
@@ -323,43 +338,95 @@ class GradientScaler:
     def _abandon(self) -> None:
         """Drop a prepared backward that did not finish: its hooks, and any still-scaled gradient."""
         prepared, self._prepared = self._prepared, None
-        if prepared is None:
-            return
-        prepared.remove_hooks()
-        for j in prepared.deferred:  # they had no .grad before; a partial, scaled one must not stay
-            prepared.graph.nodes[j].variable.grad = None
+        pending = [prepared] if prepared is not None else []
+        while pending:
+            prepared = pending.pop()
+            pending += prepared.inner
+            prepared.remove_hooks()
+            for j in prepared.leaves.deferred:  # they had no .grad before; a partial, scaled one must not stay
+                prepared.graph.nodes[j].variable.grad = None
 
-    def _queue_finish(self, grad_outputs: tuple) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+    def _prepare(
+        self, root: Node, path: Path, update: bool, parent: _PreparedBackward | None = None, root_alpha: int = 0, exits: frozenset[int] = frozenset()
+    ) -> _PreparedBackward:
+        """Register the hooks of an update run, or of the plan's replay, on the graph below ``root``."""
+        graph = walk(root)
+        plan, analysis = self._plans.get(path), self._analyses.get(path)
+        known = plan is not None and plan.matches(graph)
+        exit_leaves = frozenset(j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits)
+        if analysis is None or not known:
+            if not path and not known:  # a new structure: the inner graphs' plans belong to the old one
+                self._plans.clear()
+                self._analyses.clear()
+            analysis = self._analyses[path] = analyze(graph, self._module_names, exit_leaves)
+            self._check_parameters(graph, exit_leaves)
+            self._warn_unhandled(graph, analysis)
+        excluded = parent.leaf_ids() if parent is not None else set()
+        leaves = LeafTargets(self._deferred_leaves(graph, analysis, exit_leaves, excluded), exit_leaves, root_alpha)
+        run = UpdateRun(graph, analysis, self._settings(), leaves, self._warn_once, root_alpha) if update or not known else None
+        prepared = _PreparedBackward(graph, analysis, leaves, run, path, parent)
+        # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
+        prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
+        prepared.handles += run.register() if run is not None else plan.replay(graph, leaves)
+        for c in sorted(analysis.reentrant):  # after the run's own pre-hook, which merges c's incoming scales
+            prepared.handles.append(graph.nodes[c].register_prehook(partial(self._enter_checkpoint, prepared, c)))
+        return prepared
 
-    def _finish(self) -> None:
-        """Run by the autograd engine once the prepared graph's backward is done."""
-        prepared, self._prepared = self._prepared, None
-        if prepared is None:
-            return
+    def _enter_checkpoint(self, prepared: _PreparedBackward, c: int, grad_outputs: tuple) -> None:
+        """Pre-hook of a reentrant checkpoint node: scale its block's inner backward too."""
+        alpha_out = prepared.run.alpha_out if prepared.run is not None else self._plans[prepared.path].alpha_out
+        alpha = alpha_out.get(c, 0)
+        update = prepared.run is not None
+
+        def prepare_inner(root: Node, inputs: tuple[Any, ...]) -> None:
+            exits = frozenset(id(t) for t in inputs if isinstance(t, torch.Tensor))
+            prepared.inner.append(self._prepare(root, (*prepared.path, c), update, prepared, alpha, exits))
+
+        intercept_recomputation(prepared.graph.nodes[c], prepare_inner)
+
+    def _queue_finish(self, prepared: _PreparedBackward, grad_outputs: tuple) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(partial(self._finish, prepared))
+
+    def _finish(self, prepared: _PreparedBackward) -> None:
+        """Run by the autograd engine once a prepared graph's backward is done."""
         prepared.remove_hooks()
         graph, analysis, run = prepared.graph, prepared.analysis, prepared.run
-        alpha_out = run.alpha_out if run is not None else self._plan.alpha_out
+        alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
         _unscale_leaves(
-            [(graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in prepared.deferred]
+            [(graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in prepared.leaves.deferred]
         )
+        for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
+            variable = graph.nodes[j].variable
+            self._touched[id(variable)] = variable
+        if prepared.parent is not None:  # an inner graph: its outer backward goes on
+            if run is not None:
+                self._plans[prepared.path] = run.plan()
+                if prepared.parent.run is not None:
+                    prepared.parent.run.absorb(run)
+            return
+        self._prepared = None
         if run is not None:
             self._finish_update(run)
         self._iteration += 1
-        self._touched.update((id(v), v) for v in graph.leaf_variables())
 
-    def _deferred_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis) -> frozenset[int]:
+    def _deferred_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]) -> frozenset[int]:
         """Leaves whose gradient can wait for the fused unscale after the backward.
 
         Nobody may see ``.grad`` before then: no DDP (it all-reduces during the backward), no
-        hooks on the parameter, no existing ``.grad`` to accumulate into, one incoming edge.
+        hooks on the parameter, no existing ``.grad`` to accumulate into, one incoming edge, and
+        no inner backward (a reentrant checkpoint's) that could add to it, in either direction.
         """
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if analysis.reentrant or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return frozenset()
         deferred = []
-        for j in analysis.leaf_sources:
+        for j in analysis.leaf_sources.keys() - exits:
             variable = graph.nodes[j].variable
-            if variable.grad is None and not variable._backward_hooks and not getattr(variable, "_post_accumulate_grad_hooks", None):
+            if (
+                variable.grad is None
+                and id(variable) not in excluded
+                and not variable._backward_hooks
+                and not getattr(variable, "_post_accumulate_grad_hooks", None)
+            ):
                 deferred.append(j)
         return frozenset(deferred)
 
@@ -377,7 +444,7 @@ class GradientScaler:
     def _finish_update(self, run: UpdateRun) -> None:
         # Relax the cap only after a full interval without a skipped step (update_interval=1 included).
         scheduled = self._iteration % self.update_interval == 0 and self._iteration - self._last_skip >= self.update_interval
-        self._plan = run.plan()
+        self._plans[()] = run.plan()
         self._layers = {layer.name: layer for layer in run.layers}
         self._first_non_finite = run.first_non_finite()
         self._force_update = False
@@ -392,7 +459,7 @@ class GradientScaler:
         self._skipped_this_iteration = True
         self._skipped_steps += 1
         self._consecutive_skips += 1
-        largest = max(self._plan.alpha_out.values(), default=0) if self._plan is not None else 0
+        largest = max((a for plan in self._plans.values() for a in plan.alpha_out.values()), default=0)
         cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
         self._backoff = max(cap, _MIN_BACKOFF)
         self._last_skip = self._iteration
@@ -437,9 +504,10 @@ class GradientScaler:
 
     # --- analysis checks ---------------------------------------------------------------------
 
-    def _check_parameters(self, graph: AutogradGraph) -> None:
-        for variable in graph.leaf_variables():
-            if variable.dtype in _UNSCALABLE_PARAMETER_DTYPES:
+    def _check_parameters(self, graph: AutogradGraph, exits: frozenset[int]) -> None:
+        for j, name in enumerate(graph.names):
+            variable = graph.nodes[j].variable if name == LEAF and j not in exits else None
+            if variable is not None and variable.dtype in _UNSCALABLE_PARAMETER_DTYPES:
                 name = self._parameter_names.get(id(variable), f"of shape {tuple(variable.shape)}")
                 raise ValueError(
                     f"GradientScaler: parameter {name} is {variable.dtype}; its gradient cannot be unscaled in "
@@ -462,13 +530,6 @@ class GradientScaler:
                 "carry and no scale of their own (reported as kind 'opaque' in layers()).",
                 RuntimeWarning,
                 stacklevel=3,
-            )
-        if analysis.unscaling:
-            self._warn_once(
-                "reentrant-checkpoint",
-                "GradientScaler: torch.utils.checkpoint(use_reentrant=True) runs a second backward that scaling cannot "
-                "see; gradients inside checkpointed blocks run unscaled (exact, but unprotected from underflow). "
-                "use_reentrant=False, PyTorch's recommended setting, keeps per-layer scaling inside.",
             )
         if not analysis.gemms and not analysis.casts:
             self._warn_once("no-gemm", "GradientScaler: no GEMM or cast found in the backward graph; nothing is scaled.")

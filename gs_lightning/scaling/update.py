@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -23,7 +23,7 @@ from gs_lightning.scaling.graph import (
     GraphAnalysis,
     Slot,
 )
-from gs_lightning.scaling.plan import ScalePlan, edge_shift, times_pow2
+from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import probe, rnn_probe
 from gs_lightning.scaling.underflow import (
     branch_log2_scale,
@@ -64,9 +64,8 @@ class LayerScale:
 
     Attributes:
         name: Layer name (qualified module name where known, ``".cast"`` appended for casts).
-        kind: ``"gemm"``, ``"cast"``, ``"attention"``, ``"rnn"``, ``"unscaled"`` (brought back to scale 1: reentrant
-            checkpointing) or ``"opaque"`` (passed through unscaled: a custom Function or a compiled
-            region).
+        kind: ``"gemm"``, ``"cast"``, ``"attention"``, ``"rnn"`` or ``"opaque"`` (passed through
+            with no scale of its own: a custom Function or a compiled region).
         log2_scale: log2 of the local scale β.
         log2_total: log2 of the accumulated scale its outgoing gradients carry.
         underflow_rate: The estimated underflow rate of its output at that scale (NaN where no
@@ -105,18 +104,28 @@ class UpdateRun:
         graph: The walked backward graph.
         analysis: Its node classification.
         settings: Targets, ranges and caps.
-        deferred: Leaves whose gradients the scaler unscales after the backward.
+        leaves: The scale each leaf receives its gradient at, and which leaves are deferred.
         warn: ``warn(key, message)``, called at most once per key by the scaler.
+        root_alpha: log2 of the scale the gradients arriving at the root carry (0 for a loss; a
+            reentrant checkpoint's inner graph starts at its node's scale).
     """
 
-    def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, deferred: frozenset[int], warn: Warn) -> None:
+    def __init__(
+        self,
+        graph: AutogradGraph,
+        analysis: GraphAnalysis,
+        settings: Settings,
+        leaves: LeafTargets,
+        warn: Warn,
+        root_alpha: int = 0,
+    ) -> None:
         self.graph = graph
         self.analysis = analysis
         self.settings = settings
-        self.deferred = deferred
+        self.leaves = leaves
         self._warn = warn
         self.alpha_out: dict[int, int] = {}
-        self.slot_alpha: dict[Slot, int] = {(0, 0): 0}
+        self.slot_alpha: dict[Slot, int] = {(0, s): root_alpha for s in analysis.slots[0]}
         self.layers: list[LayerScale] = []
         self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
@@ -125,7 +134,7 @@ class UpdateRun:
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles."""
         a = self.analysis
-        decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.unscaling | a.opaque
+        decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
         handles = []
         for i, node in enumerate(self.graph.nodes):
             if i in a.leaves:
@@ -139,6 +148,21 @@ class UpdateRun:
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update."""
         return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha))
+
+    def absorb(self, inner: UpdateRun) -> None:
+        """Take over what the run of a reentrant checkpoint's inner graph decided, in backward order.
+
+        A module run in several checkpointed blocks gets ``#2``, ``#3``... as in one graph.
+        """
+        taken = {layer.name for layer in self.layers}
+        for layer in inner.layers:
+            name, k = layer.name, 1
+            while name in taken:
+                k += 1
+                name = f"{layer.name}#{k}"
+            taken.add(name)
+            self.layers.append(replace(layer, name=name))
+        self._finite_flags += inner._finite_flags
 
     def first_non_finite(self) -> str | None:
         """The first layer, in backward order, whose incoming or weight gradient was non-finite."""
@@ -167,9 +191,6 @@ class UpdateRun:
 
     def _decide(self, i: int, grad: torch.Tensor, grads: list[torch.Tensor], alpha: int) -> int:
         a, name = self.analysis, self.analysis.layer_names[i]
-        if i in a.unscaling:
-            self.layers.append(LayerScale(name, "unscaled", -alpha, 0, math.nan))
-            return -alpha
         if i in a.opaque:
             self.layers.append(LayerScale(name, "opaque", 0, alpha, math.nan))
             return 0
@@ -201,7 +222,7 @@ class UpdateRun:
             if edge is None:
                 continue
             if edge[0] in self.analysis.leaves:
-                out[k] = times_pow2(out[k], edge_shift(self.graph, edge, alpha, self.slot_alpha, self.deferred))
+                out[k] = times_pow2(out[k], edge_shift(self.graph, edge, alpha, self.slot_alpha, self.leaves))
             elif edge in self.analysis.branch_slots:
                 out[k] = self._arrive(edge, out[k], alpha)
             else:

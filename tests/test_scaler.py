@@ -484,3 +484,9 @@ def test_a_failed_backward_leaves_no_scaled_gradient_behind() -> None:
     assert all(p.grad is None for p in model.parameters())  # the head's scaled gradient was dropped
     scaler.backward((model(x) * 1e-6).sum())  # and the scaler works on
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_gradscaler_state_is_refused_with_a_clear_message() -> None:
+    state = torch.amp.GradScaler("cpu").state_dict()
+    with pytest.raises(ValueError, match=r"not a GradientScaler state.*start the GradientScaler fresh"):
+        GradientScaler().load_state_dict(state)

@@ -316,6 +316,13 @@ class GradientScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
+        missing = {"iteration", "skipped_steps", "force_update", "backoff", "last_skip", "layers"} - state.keys()
+        if missing:
+            raise ValueError(
+                f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing)}; got keys "
+                f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
+                "GradientScaler fresh, it decides its scales on its first backward."
+            )
         self._iteration = int(state["iteration"])
         self._skipped_steps = int(state["skipped_steps"])
         self._consecutive_skips = int(state.get("consecutive_skips", 0))

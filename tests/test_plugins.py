@@ -120,6 +120,16 @@ def test_skipped_step_restores_batch_norm_statistics(lightning_package: str) -> 
     assert all(torch.equal(a, b) for a, b in zip(initial, model.buffers()))
 
 
+def test_a_diverged_run_stops_with_the_scalers_message(lightning_package: str) -> None:
+    """Every step overflows: after max_consecutive_skips skipped steps fit stops, naming the layer."""
+    torch.manual_seed(0)
+    model = classifier(lightning_package, inf_steps=range(10))
+    plugin = GradientScalingPlugin(max_consecutive_skips=3)
+    with pytest.raises(RuntimeError, match=r"4 optimizer steps in a row were skipped.*first non-finite gradient"):
+        trainer(lightning_package, plugin, max_steps=8).fit(model, loader())
+    assert plugin.scaler.skipped_steps == 4
+
+
 def test_lightning_mixed_precision_has_the_scheduler_flaw() -> None:
     """Control: the same run with Lightning's MixedPrecision advances the schedule and warns."""
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ import inspect
 import logging
 import re
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +32,11 @@ log = logging.getLogger(__name__)
 _LOGGER_EXTRAS = {"WandbLogger": "wandb", "TensorBoardLogger": "tensorboard"}
 
 _SCALE_TABLE_HELP = (
-    "How to read the scales: each layer multiplies the gradient it sends on by 2^(log2 scale); "
-    "log2 total is the scale that gradient carries after every layer above it (the product); "
-    "est. underflow is the estimated fraction of its nonzero values still lost to fp16 at that scale "
-    "(target 1e-3; a cast before the loss can stay near 0.1 because its values span more than fp16's "
-    "range, the paper's §5.4). The two plots show the same over time."
+    "How to read the scales: each layer multiplies the gradient it sends on by 2^(log2 scale); log2 "
+    "total is the scale that gradient then carries (the product over it and every layer after it in "
+    "the forward pass); est. underflow is the estimated fraction of its nonzero values still lost to "
+    "fp16 (target 1e-3; a cast before the loss can stay near 0.1: its values span more than fp16's "
+    "range, the paper's §5.4). The plots show the same over the run."
 )
 
 
@@ -141,27 +142,27 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
         lines += [
             f"  {layer.name:<32} {layer.log2_scale:>10} {layer.log2_total:>10} {layer.underflow_rate:>15.2e}" for layer in layers
         ]
-        lines.append(_SCALE_TABLE_HELP)
+        lines += textwrap.wrap(_SCALE_TABLE_HELP, width=100)
     lines += ["", *_where(trainer, cfg)]
     return "\n".join(lines)
 
 
 def _where(trainer: L.Trainer, cfg: DictConfig | None) -> list[str]:
-    """Where the run's directory, checkpoint, dataset, plots and log are."""
-    lines = [f"Run directory: {Path(trainer.default_root_dir).resolve()}"]
+    """Where the run's directory, checkpoint, dataset, plots, logger files and log are."""
+    places = [("Run directory", Path(trainer.default_root_dir).resolve())]
     checkpoint = trainer.checkpoint_callback
-    last = getattr(checkpoint, "last_model_path", "") if checkpoint is not None else ""
-    if last:
-        lines.append(f"Checkpoint:    {last}  (resume: python train.py ... ckpt_path={last})")
+    if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
+        places.append(("Checkpoint", f"{checkpoint.last_model_path}  (resume: ckpt_path=<this file>)"))
     if cfg is not None:
-        lines.append(f"Dataset:       {Path(cfg.data.root).expanduser().resolve()}")
-    for callback in trainer.callbacks:
-        for path in getattr(callback, "plot_paths", []):
-            lines.append(f"Plot: {path}")
+        places.append(("Dataset", Path(cfg.data.root).expanduser().resolve()))
+    places += [("Plot", path) for callback in trainer.callbacks for path in getattr(callback, "plot_paths", [])]
+    logs = getattr(trainer.logger, "log_dir", None) or getattr(trainer.logger, "save_dir", None)  # not trainer.log_dir: a collective call
+    if logs is not None:
+        places.append(("Logs", Path(logs).resolve()))
     log_file = Path(trainer.default_root_dir) / "train.log"
     if log_file.is_file():
-        lines.append(f"Log:           {log_file.resolve()}")
-    return lines
+        places.append(("Log", log_file.resolve()))
+    return [f"{name + ':':<15}{place}" for name, place in places]
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:

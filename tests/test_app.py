@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Classifier, loader, make_trainer
 from hydra import compose, initialize_config_dir
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
+from gs_lightning import GradientScalingPlugin
 from gs_lightning.app import build, objective, register_recipes, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +72,7 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, weights_only=True)["state_dict"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r in ("resnet50", "ssd512") else r for r in RECIPES])
 def test_recipe_fits_validates_tests_and_resumes(recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Two epochs of two steps with validation, then the test split; then a resume from its own
     last.ckpt (loaded with weights_only=True) for one more epoch and the test again. fp32 keeps
@@ -125,6 +127,20 @@ def test_demo_inherits_the_segnet_recipe() -> None:
     assert demo.task.class_weights == segnet.task.class_weights == "median_frequency"
     assert demo.model._target_ == segnet.model._target_ and demo.optimized_metric == segnet.optimized_metric
     assert (demo.model.width, demo.model.kernel_size, segnet.model.width, segnet.model.kernel_size) == (16, 3, 64, 7)
+
+
+def test_skipped_step_leaves_batchnorm_statistics_as_they_were() -> None:
+    """An inf in step 2's input skips that step; BatchNorm's running statistics, updated by its
+    forward, are put back (with a warning), so every later validation loss stays finite."""
+    torch.manual_seed(0)
+    model = Classifier(inf_steps=(2,), batch_norm=True, inf_inputs=True)
+    trainer = make_trainer(GradientScalingPlugin(), max_steps=6, limit_train_batches=2, limit_val_batches=2, num_sanity_val_steps=0)
+    with pytest.warns(RuntimeWarning, match="non-finite buffer.*restored"):
+        trainer.fit(model, loader(), loader())
+    assert trainer.precision_plugin.scaler.skipped_steps == 1
+    batch_norm = model.net[1]
+    assert batch_norm.running_mean.isfinite().all() and batch_norm.running_var.isfinite().all()
+    assert trainer.callback_metrics["val/loss"].isfinite()
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -210,6 +210,9 @@ class _DropTips(logging.Filter):
         return not str(record.msg).startswith("💡 Tip")
 
 
+_DROP_TIPS = _DropTips()  # one instance: adding it again (another run in this process) is a no-op
+
+
 # Lightning's loggers (both package names: the plugins serve either). rank_zero_info logs through
 # the last imported package's "<package>.utilities.rank_zero".
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
@@ -230,7 +233,7 @@ def _quiet_lightning() -> None:
                 logger.removeHandler(handler)
             logger.propagate = True
     for name in _LIGHTNING_LOGGERS[1:]:
-        logging.getLogger(f"{name}.utilities.rank_zero").addFilter(_DropTips())
+        logging.getLogger(f"{name}.utilities.rank_zero").addFilter(_DROP_TIPS)
     # Our fp16 plugins report "16-mixed", which the model summary cannot size; fp32 is what it shows.
     warnings.filterwarnings("ignore", message="Precision 16-mixed is not supported by the model summary")
     # Lightning 2.6 calls a torch pytree API that torch 2.14 deprecates; nothing a user can act on.

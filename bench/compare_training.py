@@ -10,7 +10,8 @@ Methods:
   loss scale 4096, dynamic loss scale, per-tensor amax (Transformer Engine's delayed scaling)
   alone and under a dynamic loss scale, GS with ``dtype=float8_e5m2``; optionally GS with e4m3fn.
 
-Per method it reports the test metric (mean ± std over seeds), skipped steps, the mean underflow
+Per method it reports the test metric (mean ± std over seeds), the training loss over the last
+tenth of the steps, skipped steps, the mean underflow
 of the gradients backward GEMMs produce (fraction of nonzero exact values rounded to zero,
 averaged over tensors, sampled every ``--underflow-every`` steps), and wall time per run; it
 plots the training-loss curves (mean over seeds) per task.
@@ -162,12 +163,18 @@ def _mean_std(values: list[float]) -> str:
     return f"{mean:.3f} ± {std:.3f}" + ("" if len(finite) == len(values) else f" ({len(values) - len(finite)} nan)")
 
 
+def _final_loss(run: Run) -> float:
+    """Mean training loss over the last tenth of the steps."""
+    tail = run.losses[-max(1, len(run.losses) // 10) :]
+    return statistics.fmean(tail)
+
+
 def table(runs: list[Run]) -> str:
     """The markdown table: one row per (task, method), seeds aggregated."""
     metric_of = {r.task: r.metric_name for r in runs}
     lines = [
-        "| task | gradients | method | metric (mean ± std) | skipped steps | GEMM-gradient underflow | s / run |",
-        "|---|---|---|---|---|---|---|",
+        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GEMM-gradient underflow | s / run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for task in dict.fromkeys(r.task for r in runs):
         for key in dict.fromkeys(r.method for r in runs if r.task == task):
@@ -176,6 +183,7 @@ def table(runs: list[Run]) -> str:
             under = [r.underflow for r in rs if r.underflow is not None]
             lines.append(
                 f"| {task} | {method.grads} | {method.label} | {metric_of[task]} {_mean_std([r.metric for r in rs])} "
+                f"| {_mean_std([_final_loss(r) for r in rs])} "
                 f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} "
                 f"| {f'{100 * statistics.fmean(under):.2f}%' if under else '—'} "
                 f"| {statistics.fmean(r.seconds for r in rs):.1f} |"

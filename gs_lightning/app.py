@@ -101,11 +101,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if cfg.test and not cfg.trainer.fast_dev_run:
             for result in built.trainer.test(built.task, datamodule=built.datamodule, verbose=False):
                 metrics.update(result)
-        objective(cfg, metrics)
     except (AppError, DatasetError, FileNotFoundError) as error:
         sys.exit(f"error: {_data_root_hint(error, cfg)}")
     if built.trainer.is_global_zero:
         log.info(summary(built.trainer, metrics, cfg))
+    try:
+        objective(cfg, metrics)
+    except AppError as error:
+        sys.exit(f"error: {error}")
     return metrics
 
 

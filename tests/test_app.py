@@ -21,7 +21,7 @@ from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
 from gs_lightning import GradientScalingPlugin
-from gs_lightning.app import build, objective, register_recipes, run
+from gs_lightning.app import AppError, build, objective, register_recipes, run
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = register_recipes(ROOT / "recipes")
@@ -120,6 +120,14 @@ def test_recipes_are_the_yaml_files_of_the_folder(tmp_path: Path) -> None:
     cfg = _compose(["recipe=tiny_segnet", f"paths.output_dir={tmp_path}"])
     assert cfg.model.width == 8 and cfg.model.kernel_size == 7 and cfg.optimized_metric == "test/miou"
     register_recipes(ROOT / "recipes")
+
+
+def test_optimized_metric_is_what_train_py_returns() -> None:
+    cfg = _compose(["paths.output_dir=x"])
+    assert objective(cfg, {"test/miou": 0.5, "val/miou": 0.4}) == 0.5
+    assert objective(_compose(["paths.output_dir=x", "test=false"]), {"val/miou": 0.4}) is None  # no test, no test metric
+    with pytest.raises(AppError, match=r"optimized_metric='test/mIoU' was not logged; logged metrics: test/miou, val/miou"):
+        objective(_compose(["paths.output_dir=x", "optimized_metric=test/mIoU"]), {"test/miou": 0.5, "val/miou": 0.4})
 
 
 def test_demo_inherits_the_segnet_recipe() -> None:

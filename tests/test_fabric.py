@@ -139,3 +139,15 @@ def test_skipped_first_step_restores_batch_norm_statistics(fabric_package: str) 
 def test_scaler_needs_the_model_set_up_first() -> None:
     with pytest.raises(RuntimeError, match=r"fabric.setup\(model\)"):
         _ = GradientScalingPlugin().scaler
+
+
+def test_emulated_fp8_gradients_with_gradient_scaling(fabric_package: str) -> None:
+    """emulate=True, grad_dtype=float8_e5m2: the forward and fabric.backward run emulated; every
+    weight gradient is an e5m2 value (3 significant bits) times a power of two."""
+    plugin = GradientScalingPlugin(emulate=True, grad_dtype="float8_e5m2")
+    fabric, model, optimizer = launch(fabric_package, plugin, net())
+    x, y = next(iter(loader()))
+    fabric.backward(F.cross_entropy(model(x), y))
+    significands = [torch.frexp(m.weight.grad[m.weight.grad != 0])[0] * 8 for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(significands) == 2 and all(torch.equal(s, s.round()) for s in significands)
+    assert plugin.scaler.format.name == "float8_e5m2"

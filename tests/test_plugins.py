@@ -130,6 +130,36 @@ def test_a_diverged_run_stops_with_the_scalers_message(lightning_package: str) -
     assert plugin.scaler.skipped_steps == 4
 
 
+class WeightGrads(Callback):
+    """Keeps the Linear layers' weight gradients the optimizer is about to see."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:  # noqa: ANN001
+        self.grads += [m.weight.grad.clone() for m in pl_module.net if isinstance(m, nn.Linear)]
+
+
+@pytest.mark.parametrize("name", ["gradient_scaling", "loss_scaling"])
+def test_emulated_fp8_gradients_reach_the_weights(name: str, lightning_package: str) -> None:
+    """emulate=True, grad_dtype=float8_e5m2: forward and backward run emulated, so every weight
+    gradient a backward GEMM made is an e5m2 value (3 significant bits) times a power of two."""
+    torch.manual_seed(0)
+    make = {"gradient_scaling": GradientScalingPlugin, "loss_scaling": LossScalingPlugin}[name]
+    plugin, capture = make(emulate=True, grad_dtype="float8_e5m2"), WeightGrads()
+    trainer(lightning_package, plugin, max_steps=1, callbacks=[capture]).fit(classifier(lightning_package, hidden_layers=1), loader())
+    significands = [torch.frexp(g[g != 0])[0] * 8 for g in capture.grads]  # in [4, 8): integers iff 3 bits
+    assert len(significands) == 3 and all(torch.equal(m, m.round()) for m in significands)
+    assert name != "gradient_scaling" or plugin.scaler.format.name == "float8_e5m2"
+
+
+def test_fp8_gradients_need_emulation() -> None:
+    with pytest.raises(ValueError, match="grad_dtype='float8_e5m2' needs emulate=True"):
+        GradientScalingPlugin(grad_dtype="float8_e5m2")
+    with pytest.raises(ValueError, match=r"grad_dtype must be one of \['float16', 'float8_e5m2', 'float8_e4m3fn'\]"):
+        LossScalingPlugin(emulate=True, grad_dtype="int8")
+
+
 def test_lightning_mixed_precision_has_the_scheduler_flaw() -> None:
     """Control: the same run with Lightning's MixedPrecision advances the schedule and warns."""
     torch.manual_seed(0)

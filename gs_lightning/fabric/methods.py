@@ -10,6 +10,7 @@ package, because Lightning's Trainer builds on Fabric too.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Protocol
 
 import torch
@@ -97,11 +98,53 @@ class FixedLossScaler:
         """Nothing to restore."""
 
 
+_GRAD_DTYPES = ("float16", "float8_e5m2", "float8_e4m3fn")
+
+
 class _ScalingMethod:
-    """Options of one scaling method; ``_build_scaler`` makes its scaler once the model is known."""
+    """Options of one scaling method; ``_build_scaler`` makes its scaler once the model is known.
+
+    Every method can run on emulated fp16 (:func:`gs_lightning.simulate.emulate`: GEMMs computed in
+    fp32 and rounded, at fp32 speed on a CPU), optionally with fp8 backward-GEMM gradients.
+
+    Args:
+        device: Autocast device type; ``None`` follows the model.
+        emulate: Emulate fp16 GEMMs and convolutions (forward and backward) instead of running
+            the device's fp16 kernels.
+        grad_dtype: With ``emulate``, the format the gradients of backward GEMMs are rounded to:
+            ``"float16"`` (the default) or ``"float8_e5m2"`` / ``"float8_e4m3fn"`` (also a
+            ``torch.dtype``). Gradient scaling then protects that format's range.
+    """
+
+    def __init__(self, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None) -> None:
+        self.grad_dtype = _grad_dtype(grad_dtype)
+        if self.grad_dtype != torch.float16 and not emulate:
+            raise ValueError(f"{type(self).__name__}: grad_dtype={grad_dtype!r} needs emulate=True (no device computes fp8 gradients here)")
+        self.emulate = bool(emulate)
+        self._emulation: AbstractContextManager | None = None
+        super().__init__(device)  # type: ignore[call-arg]  # the plugin's fp16 base class
+
+    def emulation(self) -> AbstractContextManager:
+        """The context the forward and the backward run in: emulated low precision, or nothing."""
+        if not self.emulate:
+            return nullcontext()
+        if self._emulation is None:
+            from gs_lightning.simulate import emulate  # only emulated runs need it
+
+            self._emulation = emulate(torch.float16, self.grad_dtype)
+        return self._emulation
 
     def _build_scaler(self, module: nn.Module, device: str) -> Scaler:
         raise NotImplementedError
+
+
+def _grad_dtype(value: str | torch.dtype | None) -> torch.dtype:
+    if value is None:
+        return torch.float16
+    name = value if isinstance(value, str) else str(value).removeprefix("torch.")
+    if name not in _GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be one of {list(_GRAD_DTYPES)}, got {value!r}")
+    return getattr(torch, name)
 
 
 class GradientScaling(_ScalingMethod):
@@ -122,6 +165,8 @@ class GradientScaling(_ScalingMethod):
         max_consecutive_skips: Stop with an error naming the first non-finite layer once more than
             this many steps in a row were skipped (a diverged run); ``None`` never stops.
         device: Autocast device type; ``None`` follows the model.
+        emulate: Emulated fp16 (see :class:`_ScalingMethod`).
+        grad_dtype: With ``emulate``, the gradients' format; the scales protect its range.
     """
 
     def __init__(
@@ -134,6 +179,8 @@ class GradientScaling(_ScalingMethod):
         max_total_scale: float | None = None,
         max_consecutive_skips: int | None = 100,
         device: str | None = None,
+        emulate: bool = False,
+        grad_dtype: str | torch.dtype | None = None,
     ) -> None:
         self._options = {
             "underflow_rate": underflow_rate,
@@ -145,7 +192,7 @@ class GradientScaling(_ScalingMethod):
             "max_consecutive_skips": max_consecutive_skips,
         }
         GradientScaler(**self._options)  # bad options fail here; the kept scaler needs the model's layer names
-        super().__init__(device)  # type: ignore[call-arg]  # the plugin's fp16 base class
+        super().__init__(device, emulate, grad_dtype)
 
     @property
     def scaler(self) -> GradientScaler:
@@ -153,7 +200,7 @@ class GradientScaling(_ScalingMethod):
         return super().scaler  # type: ignore[misc]
 
     def _build_scaler(self, module: nn.Module, device: str) -> GradientScaler:
-        return GradientScaler(module, dtype=torch.float16, **self._options)
+        return GradientScaler(module, dtype=self.grad_dtype, **self._options)
 
 
 class DynamicLossScaling(_ScalingMethod):
@@ -167,6 +214,8 @@ class DynamicLossScaling(_ScalingMethod):
         backoff_factor: Factor applied after a non-finite step.
         growth_interval: Finite steps between growths.
         device: Autocast device type; ``None`` follows the model.
+        emulate: Emulated fp16 (see :class:`_ScalingMethod`).
+        grad_dtype: With ``emulate``, the gradients' format.
     """
 
     def __init__(
@@ -176,6 +225,8 @@ class DynamicLossScaling(_ScalingMethod):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         device: str | None = None,
+        emulate: bool = False,
+        grad_dtype: str | torch.dtype | None = None,
     ) -> None:
         self._options = {
             "init_scale": init_scale,
@@ -184,7 +235,7 @@ class DynamicLossScaling(_ScalingMethod):
             "growth_interval": growth_interval,
         }
         torch.amp.GradScaler("cpu", **self._options)  # bad options fail here; the kept scaler needs the device
-        super().__init__(device)  # type: ignore[call-arg]
+        super().__init__(device, emulate, grad_dtype)
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
@@ -204,12 +255,16 @@ class LossScaling(_ScalingMethod):
     Args:
         scale: The loss scale (the paper's default is 128).
         device: Autocast device type; ``None`` follows the model.
+        emulate: Emulated fp16 (see :class:`_ScalingMethod`).
+        grad_dtype: With ``emulate``, the gradients' format.
     """
 
-    def __init__(self, scale: float = 128.0, device: str | None = None) -> None:
+    def __init__(
+        self, scale: float = 128.0, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None
+    ) -> None:
         FixedLossScaler(scale)  # bad options fail here, as for the other methods
         self.scale = float(scale)
-        super().__init__(device)  # type: ignore[call-arg]
+        super().__init__(device, emulate, grad_dtype)
 
     @property
     def scaler(self) -> FixedLossScaler:
@@ -227,7 +282,9 @@ class NoScaling(LossScaling):
 
     Args:
         device: Autocast device type; ``None`` follows the model.
+        emulate: Emulated fp16 (see :class:`_ScalingMethod`).
+        grad_dtype: With ``emulate``, the gradients' format.
     """
 
-    def __init__(self, device: str | None = None) -> None:
-        super().__init__(scale=1.0, device=device)
+    def __init__(self, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None) -> None:
+        super().__init__(scale=1.0, device=device, emulate=emulate, grad_dtype=grad_dtype)

@@ -8,7 +8,8 @@ stateful: put it (or ``plugin.scaler``) in the state given to ``fabric.save`` / 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import torch
@@ -16,7 +17,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from gs_lightning.fabric.methods import DynamicLossScaling, GradientScaling, LossScaling, NoScaling, Scaler
+from gs_lightning.fabric.methods import (
+    DynamicLossScaling,
+    GradientScaling,
+    LossScaling,
+    NoScaling,
+    Scaler,
+)
 from gs_lightning.fabric.packages import FABRIC_PRECISIONS
 
 
@@ -71,7 +78,12 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         # Before the first forward changes the model's buffers (BatchNorm statistics): the scaler keeps
         # them as they were, for a skipped first step to restore.
         self._build_scaler_once()
-        return torch.autocast(self._device_type(), dtype=torch.float16)
+        return self._emulated_autocast(self._device_type())
+
+    @contextmanager
+    def _emulated_autocast(self, device_type: str) -> Generator[None, None, None]:
+        with self.emulation(), torch.autocast(device_type, dtype=torch.float16):  # type: ignore[attr-defined]
+            yield
 
     def convert_input(self, data: Any) -> Any:
         return apply_to_collection(data, function=_to_dtype(torch.float16), dtype=torch.Tensor)
@@ -81,7 +93,8 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """``scaler.scale(tensor).backward()``: per-layer scaled with gradient scaling, the scaled loss's otherwise."""
-        super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
+        with self.emulation():  # type: ignore[attr-defined]
+            super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step unless one of the optimizer's gradients is non-finite, then end the scaler's iteration."""

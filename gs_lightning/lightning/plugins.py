@@ -26,7 +26,13 @@ import torch
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from gs_lightning.fabric.methods import DynamicLossScaling, GradientScaling, LossScaling, NoScaling, Scaler
+from gs_lightning.fabric.methods import (
+    DynamicLossScaling,
+    GradientScaling,
+    LossScaling,
+    NoScaling,
+    Scaler,
+)
 from gs_lightning.lightning.packages import LIGHTNING_MODULES, PACKAGES, package_of
 from gs_lightning.lightning.schedulers import SkipAwareScheduler
 
@@ -79,7 +85,7 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
         if self._autocast_device is None:
             raise RuntimeError(f"{type(self).__name__}: no device yet; pass `device=` or let the Trainer connect the plugin.")
         # Lightning's MixedPrecision autocast settings, so that side-by-side runs differ only in scaling.
-        with torch.autocast(self._autocast_device, dtype=torch.float16, cache_enabled=False):
+        with self.emulation(), torch.autocast(self._autocast_device, dtype=torch.float16, cache_enabled=False):  # type: ignore[attr-defined]
             yield
 
     # Lightning's base class runs these with its own package's globals (hooks, isinstance checks):
@@ -88,6 +94,11 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         """Scale the loss (with gradient scaling: the loss itself, set up for the per-layer scaled backward)."""
         return package_of(module).Precision.pre_backward(self, self.scaler.scale(tensor), module)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """The LightningModule's backward, in the emulation context when the plugin emulates fp16."""
+        with self.emulation():  # type: ignore[attr-defined]
+            package_of(model).Precision.backward(self, tensor, model, *args, **kwargs)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         return package_of(module).Precision.post_backward(self, tensor, module)

@@ -211,7 +211,8 @@ def plot(runs: list[Run], folder: Path) -> list[Path]:
                 mean = curves.mean(0)
                 window = max(1, len(mean) // 30)
                 smooth = torch.nn.functional.avg_pool1d(mean[None, None], window, 1).flatten()
-                ax.plot(range(window - 1, len(mean)), smooth.numpy(), label=f"{method.grads} {method.label}",
+                label = method.label if method.grads in ("fp32", "bf16") else f"{method.grads} {method.label}"
+                ax.plot(range(window - 1, len(mean)), smooth.numpy(), label=label,
                         linestyle="--" if method.grads in ("fp32", "bf16") else "-")
             ax.set_title(f"{task}: {title}")
             ax.set_xlabel("step")

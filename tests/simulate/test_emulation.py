@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from nets import PlainCNN, SegNetLike
 from torch import nn
 
 from gs_lightning import GradientScaler
 from gs_lightning.analysis.fidelity import FidelityProbe
+from gs_lightning.models import SegNetBasic
 from gs_lightning.simulate import DelayedScaling, UnderflowMeter, emulate, round_to
 from gs_lightning.simulate.methods import (
     DynamicLossScale,
@@ -143,18 +143,22 @@ def test_bad_arguments_name_what_was_expected() -> None:
 
 
 def _plain_cnn() -> tuple[nn.Module, object]:
+    """Six 3x3 convolutions with ReLUs, no BN or residuals: without scaling its gradients underflow."""
     torch.manual_seed(0)
+    layers = [m for i in range(6) for m in (nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.ReLU())]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
     x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))
-    return PlainCNN(width=8, depth=6), lambda m: F.cross_entropy(m(x), y) * 1e-6
+    return model, lambda m: F.cross_entropy(m(x), y) * 1e-6
 
 
-def _segnet_like() -> tuple[nn.Module, object]:
+def _segnet() -> tuple[nn.Module, object]:
+    """SegNet-basic, narrow: BatchNorm, max-unpooling and raw 0-255 pixels, as the demo trains it."""
     torch.manual_seed(0)
     x, y = torch.rand(2, 3, 16, 16) * 255, torch.randint(0, 3, (2, 16, 16))
-    return SegNetLike(), lambda m: F.cross_entropy(m(x).float(), y) * 1e-3
+    return SegNetBasic(num_classes=3, width=8, kernel_size=3), lambda m: F.cross_entropy(m(x).float(), y) * 1e-3
 
 
-@pytest.mark.parametrize("make", [_plain_cnn, _segnet_like], ids=["plain-cnn", "segnet-like"])
+@pytest.mark.parametrize("make", [_plain_cnn, _segnet], ids=["plain-cnn", "segnet-basic"])
 def test_emulated_fp16_matches_real_cpu_fp16(make) -> None:
     """Gradient error vs fp32 within a ratio of 0.8-1.25 of real fp16's, per-layer underflow within 0.01."""
     results = {}

@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from gs_lightning.scaling.checkpointing import intercept_recomputation
-from gs_lightning.scaling.finite import any_non_finite
+from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan
@@ -169,7 +169,11 @@ class GradientScaler:
         self._layers: dict[str, LayerScale] = {}
         self._first_non_finite: str | None = None
         self._prepared: _PreparedBackward | None = None
-        self._touched: dict[int, torch.Tensor] = {}  # leaves whose .grad a backward wrote since the last step
+        # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
+        # leaves a backward wrote that no flag covers (unscaled during the backward, or written again).
+        self._found_inf_flags: list[torch.Tensor] = []
+        self._flags_read: bool | None = None  # their value, once read (one sync per step, not per optimizer)
+        self._unchecked: dict[int, torch.Tensor] = {}
         self._optimizer_stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
         self._optimizer_found_inf: dict[int, bool] = {}
         self._skipped_this_iteration = False
@@ -228,7 +232,7 @@ class GradientScaler:
     @property
     def found_inf(self) -> bool:
         """Whether a backward since the last step left a non-finite gradient (synchronises)."""
-        return any_non_finite(v.grad for v in self._touched.values())
+        return self._flagged() or any_non_finite(v.grad for v in self._unchecked.values())
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``: the gradients are already true, so this only checks them.
@@ -244,7 +248,7 @@ class GradientScaler:
         if stage == "stepped":
             raise RuntimeError("unscale_() is being called after step().")
         self._optimizer_stage[id(optimizer)] = "unscaled"
-        self._optimizer_found_inf[id(optimizer)] = _optimizer_non_finite(optimizer)
+        self._optimizer_found_inf[id(optimizer)] = self._non_finite(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
@@ -266,7 +270,7 @@ class GradientScaler:
             raise RuntimeError("step() has already been called since the last update().")
         overflow = self._optimizer_found_inf.pop(id(optimizer), None)
         if overflow is None:
-            overflow = _optimizer_non_finite(optimizer)
+            overflow = self._non_finite(optimizer)
         self._optimizer_stage[id(optimizer)] = "stepped"
         if overflow:
             if not self._skipped_this_iteration:
@@ -278,6 +282,20 @@ class GradientScaler:
             self._save_buffers()
         return True
 
+    def _flagged(self) -> bool:
+        """Whether a fused unscale-and-check since the last step met a non-finite value (one sync)."""
+        if self._flags_read is None:
+            flags = self._found_inf_flags
+            self._flags_read = bool(torch.stack([f.to(flags[0].device) for f in flags]).any()) if flags else False
+        return self._flags_read
+
+    def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether one of ``optimizer``'s gradients is non-finite, reading the flags where they suffice."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self._flagged():  # some gradient is non-finite: is it one of this optimizer's?
+            return any_non_finite(p.grad for p in params)
+        return any_non_finite(p.grad for p in params if id(p) in self._unchecked)
+
     def update(self) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.
 
@@ -285,7 +303,9 @@ class GradientScaler:
         """
         self._optimizer_stage.clear()
         self._optimizer_found_inf.clear()
-        self._touched.clear()
+        self._found_inf_flags.clear()
+        self._flags_read = None
+        self._unchecked.clear()
         self._skipped_this_iteration = False
 
     def scales(self) -> dict[str, float]:
@@ -399,12 +419,17 @@ class GradientScaler:
         prepared.remove_hooks()
         graph, analysis, run = prepared.graph, prepared.analysis, prepared.run
         alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
-        _unscale_leaves(
-            [(graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in prepared.leaves.deferred]
+        deferred = prepared.leaves.deferred
+        self._flags_read = None
+        self._found_inf_flags += _unscale_and_check_leaves(
+            [(graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
         )
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
-            self._touched[id(variable)] = variable
+            if j in deferred:  # checked just now, as it was unscaled
+                self._unchecked.pop(id(variable), None)
+            else:
+                self._unchecked[id(variable)] = variable
         if prepared.parent is not None:  # an inner graph: its outer backward goes on
             if run is not None:
                 self._plans[prepared.path] = run.plan()
@@ -554,27 +579,20 @@ def _log2_floor(value: float | None) -> int | None:
     return None if value is None else math.floor(math.log2(value))
 
 
-def _optimizer_non_finite(optimizer: torch.optim.Optimizer) -> bool:
-    return any_non_finite(p.grad for group in optimizer.param_groups for p in group["params"])
-
-
 def _same_layout(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> bool:
     return len(tensors) == len(copies) and all(
         t.shape == c.shape and t.dtype == c.dtype and t.device == c.device for t, c in zip(tensors, copies)
     )
 
 
-def _unscale_leaves(leaves: Iterable[tuple[torch.Tensor, int]]) -> None:
-    """Divide each leaf's ``.grad`` by ``2^alpha``: one fused multiply per device and dtype (exact)."""
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[float]]] = defaultdict(lambda: ([], []))
+def _unscale_and_check_leaves(leaves: Iterable[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """Divide each leaf's ``.grad`` by ``2^alpha`` and flag non-finite values, without a sync.
+
+    One fused pass over the gradients (``unscale_and_check_``) per scale, device and dtype: the
+    same memory traffic as ``GradScaler.unscale_``, and ``step`` needs no second pass.
+    """
+    by_alpha: dict[int, list[torch.Tensor]] = defaultdict(list)
     for variable, alpha in leaves:
-        grad = variable.grad
-        if alpha == 0 or grad is None:
-            continue
-        if grad.is_sparse:  # values only: exact, duplicates included
-            grad = grad._values()
-        grads, factors = groups[(grad.device, grad.dtype)]
-        grads.append(grad)
-        factors.append(2.0**-alpha)
-    for grads, factors in groups.values():
-        torch._foreach_mul_(grads, factors)
+        if variable.grad is not None:
+            by_alpha[alpha].append(variable.grad)
+    return [flag for alpha, grads in by_alpha.items() for flag in unscale_and_check_(grads, 2.0**-alpha)]

@@ -280,10 +280,18 @@ def test_missing_pretrained_weights_say_where_to_put_them(tmp_path: Path) -> Non
     assert not message.startswith("error: bad config value") and str(tmp_path / "vgg16.pth") in message
 
 
-@pytest.mark.parametrize(("logger", "module", "flag"), [("wandb", "lightning.pytorch.loggers.wandb", "_WANDB_AVAILABLE")])
-def test_logger_without_its_package_names_the_extra(logger: str, module: str, flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(f"{module}.{flag}", RequirementCache(f"{logger}>=1000"))  # as if not installed
-    message = _error([f"logger={logger}", "logger.name=run"], tmp_path)  # its default name needs a Hydra run
+# Where Lightning looks for each logger's package: as if not installed when these requirements fail.
+MISSING = {
+    "wandb": ["lightning.pytorch.loggers.wandb._WANDB_AVAILABLE"],
+    "tensorboard": ["lightning.fabric.loggers.tensorboard._TENSORBOARD_AVAILABLE", "lightning.fabric.loggers.tensorboard._TENSORBOARDX_AVAILABLE"],
+}
+
+
+@pytest.mark.parametrize("logger", sorted(MISSING))
+def test_logger_without_its_package_names_the_extra(logger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for flag in MISSING[logger]:
+        monkeypatch.setattr(flag, RequirementCache("not-installed>=1000"))
+    message = _error([f"logger={logger}", *(["logger.name=run"] if logger == "wandb" else [])], tmp_path)  # W&B's default name needs a Hydra run
     assert message == f'error: logger={logger} needs the {logger} package, which is not installed: pip install -e ".[{logger}]"'
 
 

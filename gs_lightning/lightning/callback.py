@@ -166,16 +166,16 @@ class RandomStateCallback(Callback):
     boundary ends bit-identical to an uninterrupted one on the CPU.
 
     It also numbers the training samplers' epochs by ``trainer.current_epoch`` (see
-    :meth:`on_train_epoch_start`). The states are restored when training starts, after the sanity-check validation, which would
-    otherwise draw from them first. They are stored as tensors and plain numbers, so a checkpoint
-    loads with ``torch.load(weights_only=True)``.
+    :meth:`on_train_epoch_start`). The states are restored when training starts, after the
+    sanity-check validation, which would otherwise draw from them first. They are stored as
+    tensors and plain numbers, so a checkpoint loads with ``torch.load(weights_only=True)``.
     """
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+        _, keys, position, has_gauss, cached_gaussian = np.random.get_state()  # ("MT19937", ...)
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
             "numpy": {

@@ -1,10 +1,11 @@
-"""GradientScalingCallback (CSV and offline W&B loggers) and the framework-free plots."""
+"""GradientScalingCallback (CSV and offline W&B loggers), RandomStateCallback and the framework-free plots."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import random
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ from gs_lightning.analysis import (
     plot_scale_mean_std,
     save_scale_history,
 )
+from gs_lightning.lightning.callback import RandomStateCallback
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -147,6 +149,19 @@ def test_layer_groups_skip_the_shared_prefix() -> None:
         "conv1": ["model.conv1"],
     }
     assert layer_groups(["net.2.cast", "net.2"]) == {"2": ["net.2.cast", "net.2"]}
+
+
+def test_random_states_survive_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    """Saved as plain tensors and numbers, restored when training starts: the same draws follow."""
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    torch.save({"random_state": RandomStateCallback().state_dict()}, tmp_path / "checkpoint.pt")
+    expected = torch.rand(3), np.random.rand(3), random.random()
+    restored = RandomStateCallback()
+    restored.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True)["random_state"])
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    restored.on_train_start(None, None)  # type: ignore[arg-type]  # uses neither
+    assert torch.equal(torch.rand(3), expected[0]) and np.array_equal(np.random.rand(3), expected[1])
+    assert random.random() == expected[2]
 
 
 def test_log_every_n_steps_must_be_positive() -> None:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from gs_lightning import GradientScalingPlugin
 from gs_lightning.app import AppError, build, objective, register_recipes, run
+from gs_lightning.data.synthetic import write_synthetic_camvid
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = register_recipes(ROOT / "recipes")
@@ -299,8 +300,6 @@ def test_corrupt_image_with_workers_is_one_line(tmp_path: Path) -> None:
     data = tmp_path / "camvid"
     overrides = [*_tiny("demo", tmp_path)[1:], f"data.root={data}", "trainer.max_steps=2", "precision=fp32"]
     overrides = [o.replace("data.num_workers=0", "data.num_workers=2") for o in overrides]
-    from gs_lightning.data.synthetic import write_synthetic_camvid
-
     write_synthetic_camvid(data, n_train=4, n_val=2, n_test=2, size=(24, 32), seed=0)
     bad = data / "train" / "synth_train_00001.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not a png")

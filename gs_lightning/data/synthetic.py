@@ -255,46 +255,46 @@ def write_synthetic_voc(
     solid rectangles (one colour per class, 4 classes) on noise, their Pascal VOC XML (the first
     object of an image never difficult, later ones difficult with probability 0.3) and
     ``ImageSets/Main/{trainval,test}.txt``. Idempotent: a marker file records the arguments and a
-    second call with the same ones writes nothing.
+    second call with the same ones writes nothing; concurrent calls write once.
     """
     root = Path(root)
     devkit = root / "VOCdevkit"
     params = {"years": list(years), "n_trainval": n_trainval, "n_test": n_test, "size": list(size), "seed": seed}
     marker = devkit / ".synthetic_voc.json"
-    if marker.is_file() and json.loads(marker.read_text()) == params:
-        return root
-
-    rng = random.Random(seed)
-    height, width = size
-    classes = VOC_CLASSES[:4]
-    colours = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 200, 30)]
-    for year in years:
-        year_dir = devkit / f"VOC{year}"
-        for sub in ("Annotations", "JPEGImages", "ImageSets/Main"):
-            (year_dir / sub).mkdir(parents=True, exist_ok=True)
-        counter = 0
-        for split, count in (("trainval", n_trainval), ("test", n_test)):
-            ids = []
-            for _ in range(count):
-                counter += 1
-                image_id = f"{counter:06d}" if year == "2007" else f"{year}_{counter:06d}"
-                ids.append(image_id)
-                noise = np.random.default_rng(rng.getrandbits(32)).integers(90, 160, (height, width, 1), np.uint8)
-                pixels = noise.repeat(3, axis=2)
-                objects = []
-                for k in range(rng.randint(1, 3)):
-                    cls = rng.randrange(len(classes))
-                    box_w = rng.randint(max(2, width // 5), max(3, width // 2))
-                    box_h = rng.randint(max(2, height // 5), max(3, height // 2))
-                    x0, y0 = rng.randrange(0, width - box_w + 1), rng.randrange(0, height - box_h + 1)
-                    pixels[y0 : y0 + box_h, x0 : x0 + box_w] = colours[cls]
-                    difficult = k > 0 and rng.random() < 0.3
-                    # VOC XML boxes are 1-based inclusive.
-                    objects.append((classes[cls], difficult, (x0 + 1, y0 + 1, x0 + box_w, y0 + box_h)))
-                Image.fromarray(pixels).save(year_dir / "JPEGImages" / f"{image_id}.jpg", quality=95)
-                _write_voc_xml(year_dir / "Annotations" / f"{image_id}.xml", f"VOC{year}", image_id, size, objects)
-            (year_dir / "ImageSets" / "Main" / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
-    marker.write_text(json.dumps(params))
+    with exclusive(devkit):  # every DDP rank prepares the data
+        if marker.is_file() and json.loads(marker.read_text()) == params:
+            return root
+        rng = random.Random(seed)
+        height, width = size
+        classes = VOC_CLASSES[:4]
+        colours = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 200, 30)]
+        for year in years:
+            year_dir = devkit / f"VOC{year}"
+            for sub in ("Annotations", "JPEGImages", "ImageSets/Main"):
+                (year_dir / sub).mkdir(parents=True, exist_ok=True)
+            counter = 0
+            for split, count in (("trainval", n_trainval), ("test", n_test)):
+                ids = []
+                for _ in range(count):
+                    counter += 1
+                    image_id = f"{counter:06d}" if year == "2007" else f"{year}_{counter:06d}"
+                    ids.append(image_id)
+                    noise = np.random.default_rng(rng.getrandbits(32)).integers(90, 160, (height, width, 1), np.uint8)
+                    pixels = noise.repeat(3, axis=2)
+                    objects = []
+                    for k in range(rng.randint(1, 3)):
+                        cls = rng.randrange(len(classes))
+                        box_w = rng.randint(max(2, width // 5), max(3, width // 2))
+                        box_h = rng.randint(max(2, height // 5), max(3, height // 2))
+                        x0, y0 = rng.randrange(0, width - box_w + 1), rng.randrange(0, height - box_h + 1)
+                        pixels[y0 : y0 + box_h, x0 : x0 + box_w] = colours[cls]
+                        difficult = k > 0 and rng.random() < 0.3
+                        # VOC XML boxes are 1-based inclusive.
+                        objects.append((classes[cls], difficult, (x0 + 1, y0 + 1, x0 + box_w, y0 + box_h)))
+                    Image.fromarray(pixels).save(year_dir / "JPEGImages" / f"{image_id}.jpg", quality=95)
+                    _write_voc_xml(year_dir / "Annotations" / f"{image_id}.xml", f"VOC{year}", image_id, size, objects)
+                (year_dir / "ImageSets" / "Main" / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
+        marker.write_text(json.dumps(params))
     return root
 
 

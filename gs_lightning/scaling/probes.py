@@ -104,6 +104,14 @@ def _spread(size: int, count: int, device: torch.device, shift: int = 0, shifts:
     return (torch.arange(count, device=device) * size + shift * size // shifts) // count % size
 
 
+def _take(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``tensor.index_select(dim, index)``, without the copy when ``index`` is every index in order
+    (a spread of all of an axis is: weights are large, and most probes take all their groups)."""
+    if index.numel() == tensor.shape[dim]:
+        return tensor
+    return tensor.index_select(dim, index)
+
+
 def _shifts(samples: int, columns: int, count: int) -> int:
     """Into how many groups to split the chosen samples so that the groups' column sets cover all columns.
 
@@ -195,11 +203,12 @@ def _convolution(
     blocks = []
     for t in range(shifts):
         gi, ci = _spread(groups, g, grad.device, t, shifts), _spread(per_group, c, grad.device, t, shifts)
+        chosen = _take(weight, 0, gi)
         if transposed:  # (g, C_in/g, C_out/g, k) -> chosen groups × chosen channels
-            chosen = weight[gi][:, ci].reshape(g * c, -1, *kernel)
+            chosen = _take(chosen, 1, ci).reshape(g * c, -1, *kernel)
         else:  # (g, C_out/g, C_in/g, k)
-            chosen = weight[gi][:, :, ci].reshape(-1, c, *kernel)
-        grad_t = grad[t::shifts][:, gi].flatten(1, 2)
+            chosen = _take(chosen, 2, ci).reshape(-1, c, *kernel)
+        grad_t = _take(grad[t::shifts], 1, gi).flatten(1, 2)
         grad_input, _, _ = torch.ops.aten.convolution_backward(
             grad_t,
             grad_t.new_empty((grad_t.shape[0], g * c, *spatial)),  # only its shape is read

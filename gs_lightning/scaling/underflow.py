@@ -101,8 +101,8 @@ def product_sum_cdf(x: float, accumulation_length: float) -> float:
     shape = accumulation_length / 2.0  # V = 2U, U ~ Gamma(shape, 1); integrate over y = ln U
     spread = 1.0 / math.sqrt(shape)
     step = min(0.1, 0.25 * spread)
-    # Below 2 ln(x/2) the erf is ≈ 1 and the integrand ≈ e^{shape·y}: cut where that is < 1e-17.
-    lower = min(2.0 * math.log(x / 2.0), math.log(shape) - 12.0 * spread) - 40.0 / shape
+    # The integrand is at most the density of y = ln U, whose left tail falls below 1e-17 there.
+    lower = math.log(shape) - 12.0 * spread - 40.0 / shape
     upper = math.log(shape + 12.0 * math.sqrt(shape) + 45.0)
     log_norm = -math.lgamma(shape)
     total = 0.0

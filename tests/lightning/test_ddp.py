@@ -5,12 +5,13 @@ its own), so after a few steps both ranks hold the same weights, and those match
 that sees the whole global batch. A step that overflows on one rank only is skipped on both, since
 the all-reduce carries the inf to every rank.
 
-Run as a script (``python tests/test_ddp.py PACKAGE STRATEGY OUT_DIR``) this file is also the training
+Run as a script (``PYTHONPATH=tests python tests/lightning/test_ddp.py PACKAGE STRATEGY OUT_DIR``) this file is also the training
 program of the ``strategy="ddp"`` test: Lightning launches rank 1 by running it again.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import import_module
@@ -105,7 +106,9 @@ def test_ranks_agree_with_each_other_and_a_single_process(package: str, strategy
     if strategy == "ddp_spawn":
         train(package, strategy, 2, tmp_path)
     else:  # Lightning's "ddp" launches rank 1 by rerunning the command line: that must be this script, not pytest
-        subprocess.run([sys.executable, __file__, package, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path)
+        tests = str(Path(__file__).resolve().parents[1])  # conftest and lightning_packages, for both ranks
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, __file__, package, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path, env=env)
     check_against_single_process(tmp_path, single_process)
 
 

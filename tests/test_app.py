@@ -21,7 +21,7 @@ from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
 from gs_lightning import GradientScalingPlugin
-from gs_lightning.app import AppError, build, objective, register_recipes, run
+from gs_lightning.app import AppError, build, objective, precision_arguments, register_recipes, run
 from gs_lightning.data.synthetic import write_synthetic_camvid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +117,16 @@ def test_every_precision_trains_the_demo(precision: str, tmp_path_factory: pytes
         assert plugin.scaler.update_interval == 1000 and plugin.scaler.scales()
     if precision == "fixed":
         assert plugin.scale == 4096
+
+
+@pytest.mark.parametrize("precision", ["gs", "dynamic", "fixed", "fp16"])
+def test_emulated_fp8_gradients_from_the_command_line(precision: str) -> None:
+    """precision.emulate=true precision.grad_dtype=float8_e5m2 reaches the plugin; GS protects e5m2's range."""
+    cfg = _compose([f"precision={precision}", "precision.emulate=true", "precision.grad_dtype=float8_e5m2"])
+    (plugin,) = precision_arguments(cfg.precision)["plugins"]
+    assert plugin.emulate and plugin.grad_dtype == torch.float8_e5m2
+    if precision == "gs":
+        assert plugin._build_scaler(torch.nn.Linear(2, 2), "cpu").format.name == "float8_e5m2"
 
 
 def test_recipes_are_the_yaml_files_of_the_folder(tmp_path: Path) -> None:

@@ -7,18 +7,23 @@ kernel only takes dense tensors.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 
 
-def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float = 1.0) -> list[torch.Tensor]:
+def unscale_and_check_(
+    grads: Iterable[torch.Tensor], inv_scale: float = 1.0, found_inf: dict[torch.device, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
 
-    Returns one flag tensor per (device, dtype) group, 1.0 where a gradient of that group holds
-    inf or NaN. Nothing is synchronised: reading a flag is the caller's choice.
+    Returns one flag tensor per device, 1.0 where a gradient of that device holds inf or NaN.
+    ``found_inf`` (device -> flag) lets several calls share their flags: they are set, never
+    cleared. Nothing is synchronised: reading a flag is the caller's choice.
     """
+    flags = {} if found_inf is None else found_inf
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         if grad is None or not grad.is_floating_point():
@@ -26,12 +31,18 @@ def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float = 1.0) ->
         if grad.is_sparse:  # its values, duplicates included: scaling and checking them is exact
             grad = grad._values()
         groups[(grad.device, grad.dtype)].append(grad)
-    flags = []
     for (device, _), tensors in groups.items():
-        flag = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.full((1,), inv_scale, device=device))
-        flags.append(flag)
-    return flags
+        flag = flags.get(device)
+        if flag is None:
+            flag = flags[device] = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _inv_scale(inv_scale, device))
+    return [flags[device] for device in {device for device, _ in groups}]
+
+
+@functools.lru_cache(maxsize=256)
+def _inv_scale(value: float, device: torch.device) -> torch.Tensor:
+    """The kernel wants its factor as a tensor on the device: one per (value, device), reused."""
+    return torch.full((1,), value, device=device)
 
 
 def any_non_finite(grads: Iterable[torch.Tensor]) -> bool:

@@ -9,8 +9,8 @@ run (as it decides) and the replay (from a saved plan) use.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import zip_longest
 from typing import Any
 
@@ -61,14 +61,41 @@ def times_pow2(grad: torch.Tensor | None, exponent: int) -> torch.Tensor | None:
     return grad * (2.0**exponent) if exponent and grad is not None else grad
 
 
-def _scale_grad_outputs(factors: tuple[float | None, ...], grad_outputs: tuple) -> tuple:
+def _factor_hook(factors: tuple[float | None, ...]) -> Callable[[tuple], tuple]:
+    """``grads -> grads`` with each gradient times its factor (``None``: unchanged).
+
+    The common case, one factor on one gradient, gets a hook of its own: between updates these
+    run for every scaled node of every iteration, so their Python overhead counts.
+    """
+    scaled = [k for k, f in enumerate(factors) if f is not None]
+    if len(scaled) == 1:
+        k, factor = scaled[0], factors[scaled[0]]
+
+        def scale_one(grads: tuple) -> tuple:
+            grad = grads[k] if k < len(grads) else None
+            return grads if grad is None else (*grads[:k], grad * factor, *grads[k + 1 :])
+
+        return scale_one
+
+    def scale_each(grads: tuple) -> tuple:
+        return tuple(g if f is None or g is None else g * f for g, f in zip_longest(grads, factors))
+
+    return scale_each
+
+
+def _pre_hook(factors: tuple[float | None, ...]) -> Callable[[tuple], tuple]:
     """Node pre-hook between updates: constant factors per incoming slot."""
-    return tuple(g if f is None or g is None else g * f for g, f in zip_longest(grad_outputs, factors))
+    return _factor_hook(factors)
 
 
-def _scale_grad_inputs(factors: tuple[float | None, ...], grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+def _post_hook(factors: tuple[float | None, ...]) -> Callable[[tuple, tuple], tuple]:
     """Node post-hook between updates: constant factors per outgoing edge."""
-    return tuple(g if f is None or g is None else g * f for g, f in zip(grad_inputs, factors))
+    scale = _factor_hook(factors)
+
+    def post(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        return scale(grad_inputs)
+
+    return post
 
 
 @dataclass
@@ -79,7 +106,7 @@ class ScalePlan:
     edges: tuple[tuple[Slot | None, ...], ...]
     alpha_out: dict[int, int]
     slot_alpha: dict[Slot, int]
-    _hooks: dict[LeafTargets, list[tuple[int, tuple | None, tuple | None]]] = field(default_factory=dict, repr=False)
+    _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(default_factory=dict, repr=False)
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has the structure this plan was decided for."""
@@ -88,19 +115,26 @@ class ScalePlan:
     def replay(self, graph: AutogradGraph, leaves: LeafTargets) -> list:
         """Register the constant-factor hooks of this plan on ``graph``; returns their handles."""
         handles = []
-        for i, pre, post in self._hook_factors(graph, leaves):
+        for i, pre, post in self._hooks_for(graph, leaves):
             node = graph.nodes[i]
             if pre is not None:
-                handles.append(node.register_prehook(partial(_scale_grad_outputs, pre)))
+                handles.append(node.register_prehook(pre))
             if post is not None:
-                handles.append(node.register_hook(partial(_scale_grad_inputs, post)))
+                handles.append(node.register_hook(post))
         return handles
 
-    def _hook_factors(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, tuple | None, tuple | None]]:
-        """(node, pre-hook factors, post-hook factors) for the nodes whose gradients change."""
+    def _hooks_for(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, Callable | None, Callable | None]]:
+        """(node, pre-hook, post-hook) for the nodes whose gradients change; built once per leaf targets."""
         hooks = self._hooks.get(leaves)
-        if hooks is not None:
-            return hooks
+        if hooks is None:
+            hooks = self._hooks[leaves] = [
+                (i, _pre_hook(pre) if pre else None, _post_hook(post) if post else None)
+                for i, pre, post in self.hook_factors(graph, leaves)
+            ]
+        return hooks
+
+    def hook_factors(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, tuple | None, tuple | None]]:
+        """(node, pre-hook factors, post-hook factors) for the nodes whose gradients change."""
         slots_of: dict[int, list[int]] = defaultdict(list)
         for j, s in self.slot_alpha:
             slots_of[j].append(s)
@@ -118,7 +152,6 @@ class ScalePlan:
             post_t = tuple(2.0**s if s else None for s in post) if any(post) else None
             if pre_t or post_t:
                 hooks.append((i, pre_t, post_t))
-        self._hooks[leaves] = hooks
         return hooks
 
     def state_dict(self) -> dict[str, Any]:

@@ -588,11 +588,15 @@ def _same_layout(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> boo
 def _unscale_and_check_leaves(leaves: Iterable[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """Divide each leaf's ``.grad`` by ``2^alpha`` and flag non-finite values, without a sync.
 
-    One fused pass over the gradients (``unscale_and_check_``) per scale, device and dtype: the
-    same memory traffic as ``GradScaler.unscale_``, and ``step`` needs no second pass.
+    One fused pass over the gradients (``unscale_and_check_``) per scale, device and dtype, all
+    setting one flag per device: the memory traffic of ``GradScaler.unscale_``, and ``step``
+    needs no second pass.
     """
     by_alpha: dict[int, list[torch.Tensor]] = defaultdict(list)
     for variable, alpha in leaves:
         if variable.grad is not None:
             by_alpha[alpha].append(variable.grad)
-    return [flag for alpha, grads in by_alpha.items() for flag in unscale_and_check_(grads, 2.0**-alpha)]
+    found_inf: dict[torch.device, torch.Tensor] = {}
+    for alpha, grads in by_alpha.items():
+        unscale_and_check_(grads, 2.0**-alpha, found_inf)
+    return list(found_inf.values())

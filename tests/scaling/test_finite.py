@@ -8,11 +8,15 @@ from torch import nn
 from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
 
 
-def test_one_flag_per_dtype_and_in_place_unscale() -> None:
-    grads = [torch.full((3,), 4.0), torch.full((2,), 8.0, dtype=torch.float64), torch.tensor([1.0, float("nan")])]
-    flags = unscale_and_check_(grads, inv_scale=0.5)
-    assert [float(f) for f in flags] == [1.0, 0.0]  # float32 group has the NaN, float64 does not
+def test_one_flag_per_device_and_in_place_unscale() -> None:
+    grads = [torch.full((3,), 4.0), torch.full((2,), 8.0, dtype=torch.float64)]
+    (flag,) = unscale_and_check_(grads, inv_scale=0.5)
+    assert float(flag) == 0.0
     assert torch.equal(grads[0], torch.full((3,), 2.0)) and torch.equal(grads[1], torch.full((2,), 4.0, dtype=torch.float64))
+    shared: dict = {}
+    unscale_and_check_([torch.tensor([1.0, float("nan")])], found_inf=shared)
+    unscale_and_check_([torch.ones(2)], inv_scale=0.25, found_inf=shared)  # later calls set flags, never clear them
+    assert [float(f) for f in shared.values()] == [1.0]
 
 
 def test_sparse_gradients_are_checked_and_unscaled_through_their_values() -> None:

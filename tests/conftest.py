@@ -5,6 +5,7 @@ quiet CPU Trainer. Import them as ``from conftest import Classifier, loader, mak
 from __future__ import annotations
 
 from collections.abc import Iterable
+from importlib import import_module
 
 import lightning as L
 import pytest
@@ -79,14 +80,19 @@ class Classifier(L.LightningModule):
 
 
 def make_trainer(
-    plugin: Precision | None = None, max_steps: int = 4, callbacks: Iterable[Callback] = (), **kwargs
+    plugin: Precision | None = None,
+    max_steps: int = 4,
+    callbacks: Iterable[Callback] = (),
+    package: str = "lightning.pytorch",
+    **kwargs,
 ) -> L.Trainer:
-    """A quiet one-device CPU Trainer: no logger, checkpoints, progress bar or model summary unless asked."""
+    """A quiet one-device CPU Trainer of ``package`` (or ``"pytorch_lightning"``): no logger,
+    checkpoints, progress bar or model summary unless asked."""
     kwargs.setdefault("logger", False)
     kwargs.setdefault("enable_checkpointing", False)
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("enable_model_summary", False)
-    return L.Trainer(
+    return import_module(package).Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,

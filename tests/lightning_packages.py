@@ -3,17 +3,15 @@
 ``pytorch_lightning`` is ``lightning.pytorch``'s source under another name, and each Trainer takes
 only its own package's ``LightningModule`` (and finds only its own ``ModelCheckpoint``).
 :func:`on_package` rebuilds a test LightningModule of ``conftest`` on another package's base class,
-so both packages train the very same model code; :func:`make_trainer` is ``conftest.make_trainer``
-for a given package. Callbacks need no rebuilding: Trainers call them by hook name.
+so both packages train the very same model code (``conftest.make_trainer(package=...)`` builds
+either package's Trainer). Callbacks need no rebuilding: Trainers call them by hook name.
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable
 from importlib import import_module
-from typing import Any
 
 from lightning.pytorch import LightningModule
 
@@ -42,14 +40,3 @@ def _with_class_cell(function: types.FunctionType, cls: type) -> types.FunctionT
     rebuilt.__kwdefaults__ = function.__kwdefaults__
     rebuilt.__qualname__ = function.__qualname__
     return rebuilt
-
-
-def make_trainer(package_name: str, plugin: Any, max_steps: int = 4, callbacks: Iterable[Any] = (), **kwargs: Any) -> Any:
-    """``conftest.make_trainer`` with ``package_name``'s Trainer: quiet, one CPU device."""
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    kwargs.setdefault("enable_progress_bar", False)
-    kwargs.setdefault("enable_model_summary", False)
-    return import_module(package_name).Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, plugins=[plugin], callbacks=list(callbacks), **kwargs
-    )

@@ -10,10 +10,10 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DATA, Classifier, loader
+from conftest import DATA, Classifier, loader, make_trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_packages import make_trainer, on_package
+from lightning_packages import on_package
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -57,7 +57,7 @@ class WeightWatch(Callback):
 
 def trainer(package: str, plugin, max_steps: int, callbacks=(), **kwargs):
     """A quiet CPU Trainer of ``package`` that also checks, after every batch, that no NaN or inf reached the weights."""
-    return make_trainer(package, plugin, max_steps, callbacks=[*callbacks, WeightWatch()], **kwargs)
+    return make_trainer(plugin, max_steps, callbacks=[*callbacks, WeightWatch()], package=package, **kwargs)
 
 
 def classifier(package: str, **kwargs) -> L.LightningModule:
@@ -136,7 +136,7 @@ class WeightGrads(Callback):
     def __init__(self) -> None:
         self.grads: list[torch.Tensor] = []
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:  # noqa: ANN001
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         self.grads += [m.weight.grad.clone() for m in pl_module.net if isinstance(m, nn.Linear)]
 
 

@@ -43,10 +43,6 @@ class AutogradGraph:
         """Whether this graph has exactly the given node types and wiring."""
         return len(names) == len(self.names) and tuple(names) == tuple(self.names) and tuple(edges) == tuple(self.edges)
 
-    def leaf_variables(self) -> list[torch.Tensor]:
-        """The tensors whose ``.grad`` this backward writes (parameters and leaf inputs)."""
-        return [node.variable for node, name in zip(self.nodes, self.names) if name == LEAF]
-
 
 def walk(root: Node) -> AutogradGraph:
     """Record the graph reachable from ``root`` through ``next_functions``."""

@@ -147,14 +147,6 @@ def _checked_length(accumulation_length: float) -> float:
     return float(accumulation_length)
 
 
-def cast_underflow_rate(log2_scale: float, log_mean: float, log_std: float, lambda_min: float) -> float:
-    """Theorem 2: γ(α) = ½(1 + erf((ln λmin − μ − ln α) / (√2 σ))) for log-normal gradients."""
-    z = math.log(lambda_min) - log_mean - log2_scale * math.log(2.0)
-    if log_std <= 0.0:
-        return 1.0 if z >= 0.0 else 0.0
-    return 0.5 * (1.0 + math.erf(z / (_SQRT2 * log_std)))
-
-
 def cast_min_log2_scale(log_mean: float, log_std: float, lambda_min: float, target: float) -> float:
     """Theorem 2 solved for α: ln α ≥ ln λmin − μ − √2 σ erfinv(2γ' − 1), returned as log2 α."""
     ln_alpha = math.log(lambda_min) - log_mean - _SQRT2 * log_std * erfinv(2.0 * target - 1.0)

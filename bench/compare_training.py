@@ -117,13 +117,20 @@ class Run:
     losses: list[float] = field(repr=False)
 
 
-def train(task: Task, method: Method, seed: int, steps: int, underflow_every: int) -> Run:
-    """Train ``task`` with ``method`` from seed ``seed`` for ``steps`` steps; evaluate in fp32."""
+def train(
+    task: Task, method: Method, seed: int, steps: int, underflow_every: int, *,
+    meter: UnderflowMeter | None = None, on_step: Callable[[int, Any], None] | None = None,
+) -> Run:
+    """Train ``task`` with ``method`` from seed ``seed`` for ``steps`` steps; evaluate in fp32.
+
+    ``meter`` replaces the default :class:`UnderflowMeter` (e.g. one that also groups by layer);
+    ``on_step(step, trainer)`` runs after every optimizer step (e.g. to record loss scales).
+    """
     model = task.build(seed)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
     trainer = method.make(model)
-    meter = UnderflowMeter()
+    meter = meter if meter is not None else UnderflowMeter()
     emulation = emulate(torch.float16, method.grad_dtype, grad_scaling=getattr(trainer, "grad_scaling", None)) if method.emulated else None
     generator = torch.Generator().manual_seed(seed)
     n = len(task.train[0])
@@ -144,6 +151,8 @@ def train(task: Task, method: Method, seed: int, steps: int, underflow_every: in
                 loss = task.loss(model, images, targets)
             trainer.backward(loss)
         trainer.step(optimizer)
+        if on_step is not None:
+            on_step(step, trainer)
         losses.append(loss.item())
         if sample:
             fractions = meter.collect()

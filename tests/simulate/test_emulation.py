@@ -142,6 +142,15 @@ def test_bad_arguments_name_what_was_expected() -> None:
 # --- validation against real CPU fp16 ---------------------------------------------------------
 
 
+def _plain_mlp() -> tuple[nn.Module, object]:
+    """Seven Linear layers with ReLUs: every GEMM is a matmul, whose CPU fp16 kernel rounds once per output."""
+    torch.manual_seed(0)
+    layers = [m for i in range(6) for m in (nn.Linear(32 if i == 0 else 64, 64), nn.ReLU())]
+    model = nn.Sequential(*layers, nn.Linear(64, 10))
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    return model, lambda m: F.cross_entropy(m(x), y) * 1e-6
+
+
 def _plain_cnn() -> tuple[nn.Module, object]:
     """Six 3x3 convolutions with ReLUs, no BN or residuals: without scaling its gradients underflow."""
     torch.manual_seed(0)
@@ -158,9 +167,31 @@ def _segnet() -> tuple[nn.Module, object]:
     return SegNetBasic(num_classes=3, width=8, kernel_size=3), lambda m: F.cross_entropy(m(x).float(), y) * 1e-3
 
 
-@pytest.mark.parametrize("make", [_plain_cnn, _segnet], ids=["plain-cnn", "segnet-basic"])
+def _cpu_fp16_conv_backward_mismatch() -> float:
+    """Fraction of a real CPU fp16 convolution's ∇X that differs from fp32 accumulation rounded once to fp16.
+
+    The emulation rounds each GEMM output once, as GPU tensor cores (fp32 accumulation) do. Some CPUs'
+    fp16 convolution backward rounds partial sums too (measured 54% of elements on the AMD EPYC of
+    2026-12-01): there real CPU fp16 loses more near fp16's subnormal range than a GPU would.
+    """
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, 12, 12).half(), (torch.randn(8, 8, 3, 3) * 0.1).half()
+    grad = torch.randn(4, 8, 12, 12).half()
+    real = torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False])[0]
+    once = torch.ops.aten.convolution_backward(grad.float(), x.float(), w.float(), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False])[0]
+    return (real.float() != once.half().float()).float().mean().item()
+
+
+@pytest.mark.parametrize("make", [_plain_mlp, _plain_cnn, _segnet], ids=["plain-mlp", "plain-cnn", "segnet-basic"])
 def test_emulated_fp16_matches_real_cpu_fp16(make) -> None:
-    """Gradient error vs fp32 within a ratio of 0.8-1.25 of real fp16's, per-layer underflow within 0.01."""
+    """Gradient error vs fp32 within a ratio of 0.8-1.25 of real fp16's, per-layer underflow within 0.01.
+
+    A CPU convolution that rounds partial sums loses more near fp16's subnormal range than one rounding
+    does, so the convolutional models are compared only where the CPU's kernel rounds once; the MLP,
+    whose matmuls round once on every CPU, is compared everywhere.
+    """
+    if make is not _plain_mlp and (mismatch := _cpu_fp16_conv_backward_mismatch()) > 0.01:
+        pytest.skip(f"this CPU's fp16 convolution backward rounds partial sums ({mismatch:.0%} of ∇X differ from one rounding)")
     results = {}
     meter = UnderflowMeter()
     for emulated in (False, True):

@@ -4,7 +4,7 @@ The checkpoint's backward node recomputes its block with ``ctx.run_function`` an
 second backward, ``torch.autograd.backward(outputs, grads)``, over the block's fresh graph: a
 graph the scaler's walk of the loss never saw, which accumulates straight into the parameters'
 ``.grad``. A pre-hook on the checkpoint node wraps ``run_function`` so that, once the block is
-recomputed, its outputs meet in one node (:class:`CheckpointOutputs`, the inner graph's root)
+recomputed, its outputs meet in one node (:class:`~gs_lightning.scaling.join.JoinOutputs`, the inner graph's root)
 and the scaler prepares that graph as it prepares a loss's, before the inner backward starts.
 """
 
@@ -16,17 +16,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-
-class CheckpointOutputs(torch.autograd.Function):
-    """Identity on a recomputed block's outputs that need a gradient: one node where the inner backward starts."""
-
-    @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return grads
+from gs_lightning.scaling.join import join_outputs
 
 
 def intercept_recomputation(node: Node, prepare: Callable[[Node, tuple[Any, ...]], None]) -> None:
@@ -40,14 +30,10 @@ def intercept_recomputation(node: Node, prepare: Callable[[Node, tuple[Any, ...]
     def run_function(*inputs: Any) -> Any:
         node.run_function = original
         outputs = original(*inputs)
-        items = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-        positions = [k for k, item in enumerate(items) if isinstance(item, torch.Tensor) and item.requires_grad]
-        if not positions:
+        items, root = join_outputs([outputs] if isinstance(outputs, torch.Tensor) else list(outputs))
+        if root is None:
             return outputs
-        joined = CheckpointOutputs.apply(*(items[k] for k in positions))
-        for k, tensor in zip(positions, joined):
-            items[k] = tensor
-        prepare(joined[0].grad_fn, inputs)
+        prepare(root, inputs)
         return items[0] if isinstance(outputs, torch.Tensor) else tuple(items)
 
     node.run_function = run_function

@@ -210,8 +210,9 @@ FUSED_EDGES: dict[str, tuple[int, ...]] = {**dict.fromkeys(ATTENTION_NODES, (0, 
 # Reentrant activation checkpointing: its backward recomputes the block and runs a second backward
 # over the block's graph, which this walk never sees (``scaling/checkpointing.py`` scales it).
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
-# The root of such an inner graph, added by ``scaling/checkpointing.py``: a pass-through, not opaque.
-CHECKPOINT_OUTPUTS = "CheckpointOutputsBackward"
+# The root joining several outputs (``scaling/join.py``: an inner graph's, or several scaled outputs'):
+# a pass-through, not opaque.
+JOIN_OUTPUTS = "JoinOutputsBackward"
 
 _LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn}
 
@@ -286,7 +287,7 @@ def _is_cast(graph: AutogradGraph, i: int) -> bool:
 
 def _is_opaque(node: Node, name: str) -> bool:
     """A node whose backward runs code this walk cannot see: a custom Function or a compiled region."""
-    if name == CHECKPOINT_OUTPUTS:
+    if name == JOIN_OUTPUTS:
         return False
     return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from functools import partial
 from typing import Any, Literal
@@ -36,13 +36,15 @@ from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
-from gs_lightning.scaling.plan import LeafTargets, ScalePlan
+from gs_lightning.scaling.join import join_outputs
+from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.update import LayerScale, Settings, UpdateRun
 
 _MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
 _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
+Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
 Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
 
 
@@ -153,10 +155,10 @@ class GradientScaler:
         self.max_total_scale = max_total_scale
         self.max_consecutive_skips = max_consecutive_skips
         self.enabled = enabled
-        self._model = model
-        self._module_names = _module_names(model) if model is not None else {}
-        self._parameter_names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
-        self._buffer_copy = [b.detach().clone() for b in model.buffers()] if model is not None else []
+        self._models: list[nn.Module] = []
+        self._module_names: dict[int, str] = {}
+        self._parameter_names: dict[int, str] = {}
+        self._buffer_copy: list[torch.Tensor] = []
 
         self._iteration = 0
         self._skipped_steps = 0
@@ -170,14 +172,18 @@ class GradientScaler:
         self._first_non_finite: str | None = None
         self._prepared: _PreparedBackward | None = None
         # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
-        # leaves a backward wrote that no flag covers (unscaled during the backward, or written again).
+        # .grad tensors those flags cover, with their version counters then. Any other .grad (unscaled during
+        # the backward, changed or replaced since, written without the scaler) is read when a step asks.
         self._found_inf_flags: list[torch.Tensor] = []
         self._flags_read: bool | None = None  # their value, once read (one sync per step, not per optimizer)
-        self._unchecked: dict[int, torch.Tensor] = {}
+        self._checked: dict[int, tuple[torch.Tensor, int]] = {}
+        self._written: dict[int, torch.Tensor] = {}  # leaves the backwards since the last step reached
         self._optimizer_stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
         self._optimizer_found_inf: dict[int, bool] = {}
         self._skipped_this_iteration = False
         self._warned: set[str] = set()
+        if model is not None:
+            self.attach(model)
 
     # --- public API ------------------------------------------------------------------------
 
@@ -196,6 +202,21 @@ class GradientScaler:
         """Number of optimizer steps skipped because a gradient was non-finite."""
         return self._skipped_steps
 
+    def attach(self, model: nn.Module) -> None:
+        """Name layers after ``model``'s modules and restore its buffers on a skipped step.
+
+        ``GradientScaler(model)`` attaches ``model``. Attach each further model trained with this
+        scaler (a GAN's generator and discriminator), and the model again after unpickling a scaler,
+        whose pickled state holds no model.
+        """
+        if any(m is model for m in self._models):
+            return
+        self._models.append(model)
+        self._module_names = {**_module_names(model), **self._module_names}
+        self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
+        self._analyses.clear()  # layer names are decided with the analysis
+        self._buffer_copy = [b.detach().clone() for b in self._buffers()]
+
     def is_enabled(self) -> bool:
         """Whether scaling is on (``GradScaler``'s name)."""
         return self.enabled
@@ -204,22 +225,27 @@ class GradientScaler:
         """``GradScaler``'s loss scale: always 1, since the scales are per layer (see :meth:`scales`)."""
         return 1.0
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """Prepare the per-layer scaled backward of ``loss``; returns ``loss``, whose ``.backward()`` runs it.
+    def scale(self, outputs: Outputs) -> Outputs:
+        """Prepare the per-layer scaled backward of ``outputs``; returns what to call backward on.
 
         ``scaler.scale(loss).backward()`` is :meth:`backward`, as in a ``torch.amp.GradScaler``
-        loop. The hooks live on this graph only and go away when its backward ends.
+        loop. As ``GradScaler.scale``, ``outputs`` is a tensor or nested lists/tuples of tensors
+        (several losses, or outputs backpropagated with explicit gradients); the same structure
+        comes back, and one backward over all of them (``torch.autograd.backward(outputs, grads)``)
+        runs scaled. A single tensor comes back as it is. The gradients that backward leaves, in
+        ``.grad`` or returned by ``torch.autograd.grad``, are true gradients. The hooks live on
+        this graph only and go away when its backward ends.
         """
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"GradientScaler.scale: expected the loss tensor, got {type(loss).__name__}")
+        tensors = _flatten(outputs, "GradientScaler.scale")
         self._begin_iteration()
-        if not self.enabled or loss.grad_fn is None:
-            return loss
-        if loss.numel() != 1:
-            raise RuntimeError(f"GradientScaler: loss must be a scalar, got shape {tuple(loss.shape)}")
+        if not self.enabled:
+            return outputs
+        joined, root = join_outputs(tensors)
+        if root is None:
+            return outputs
         update = self._force_update or self._iteration % self.update_interval == 0
-        self._prepared = self._prepare(loss.grad_fn, (), update)
-        return loss
+        self._prepared = self._prepare(root, (), update)
+        return outputs if len(tensors) == 1 else _unflatten(outputs, iter(joined))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``."""
@@ -231,14 +257,15 @@ class GradientScaler:
 
     @property
     def found_inf(self) -> bool:
-        """Whether a backward since the last step left a non-finite gradient (synchronises)."""
-        return self._flagged() or any_non_finite(v.grad for v in self._unchecked.values())
+        """Whether a gradient that a backward since the last step reached is non-finite now (synchronises)."""
+        return self._flagged() or any_non_finite(self._unverified(self._written.values()))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``: the gradients are already true, so this only checks them.
 
         Kept so that an AMP loop (unscale, clip, step, update) runs unchanged; as with
-        ``GradScaler``, a second call for the same optimizer before :meth:`update` is an error.
+        ``GradScaler``, the check decides the next :meth:`step` of this optimizer, and a second
+        call for the same optimizer before :meth:`update` is an error.
         """
         if not self.enabled:
             return
@@ -253,11 +280,13 @@ class GradientScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
 
-        As ``GradScaler``, each optimizer is judged by its own parameters' gradients (one fused
-        check, the only synchronisation of a non-update iteration). A skipped step leaves the
-        weights untouched, restores the model's buffers to their values before the iteration,
-        and makes the next backward recompute the scales, with the accumulated scale capped
-        below the one that overflowed.
+        As ``GradScaler``, each optimizer is judged by the gradients it is about to use (as they
+        were at :meth:`unscale_`, if that was called): the flags of the fused unscale-and-check
+        cover the ``.grad`` tensors it finished, unchanged since (same tensor, same version
+        counter), and every other ``.grad`` is read, whoever wrote it. One synchronisation on a
+        non-update iteration. A skipped step leaves the weights untouched, restores the attached
+        models' buffers to their values before the iteration, and makes the next backward
+        recompute the scales, with the accumulated scale capped below the one that overflowed.
 
         Raises:
             RuntimeError: after more than ``max_consecutive_skips`` skipped steps in a row, naming
@@ -294,7 +323,19 @@ class GradientScaler:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self._flagged():  # some gradient is non-finite: is it one of this optimizer's?
             return any_non_finite(p.grad for p in params)
-        return any_non_finite(p.grad for p in params if id(p) in self._unchecked)
+        return any_non_finite(self._unverified(params))
+
+    def _unverified(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The ``.grad`` of ``params`` that no flag covers: not checked by the fused pass, or changed since."""
+        grads = []
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            checked = self._checked.get(id(p))
+            if checked is None or checked[0] is not grad or checked[1] != grad._version:
+                grads.append(grad)
+        return grads
 
     def update(self) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.
@@ -305,7 +346,8 @@ class GradientScaler:
         self._optimizer_found_inf.clear()
         self._found_inf_flags.clear()
         self._flags_read = None
-        self._unchecked.clear()
+        self._checked.clear()
+        self._written.clear()
         self._skipped_this_iteration = False
 
     def scales(self) -> dict[str, float]:
@@ -354,6 +396,26 @@ class GradientScaler:
         self._plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in plans}
         self._analyses = {}
         self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
+
+    # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
+    _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_analyses", "_checked",
+                  "_written", "_found_inf_flags", "_optimizer_stage", "_optimizer_found_inf")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy keeps. Without the iteration's finiteness records a copy reads every ``.grad`` at its
+        next step; without the models it names no layers and restores no buffers until :meth:`attach`."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
+        state["_plans"] = {path: plan.state_dict() for path, plan in self._plans.items()}
+        state["_flags_read"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plans = {path: ScalePlan.from_state_dict(plan) for path, plan in state["_plans"].items()}
+        self._models, self._module_names, self._parameter_names, self._buffer_copy = [], {}, {}, []
+        self._prepared, self._analyses = None, {}
+        self._checked, self._written, self._found_inf_flags = {}, {}, []
+        self._optimizer_stage, self._optimizer_found_inf = {}, {}
 
     # --- one backward ------------------------------------------------------------------------
 
@@ -413,6 +475,35 @@ class GradientScaler:
 
     def _queue_finish(self, prepared: _PreparedBackward, grad_outputs: tuple) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(partial(self._finish, prepared))
+        prepared.handles += self._unscale_captured(prepared)
+
+    def _unscale_captured(self, prepared: _PreparedBackward) -> list:
+        """Hooks that make what ``torch.autograd.grad`` returns true gradients; run as the backward starts.
+
+        ``autograd.grad`` (and ``backward(inputs=...)``) captures the gradient arriving at a node
+        instead of running it, so a deferred leaf's gradient, which would have been unscaled after
+        the backward, and a non-leaf input's, which carries its scale, would come back scaled. The
+        engine can tell which nodes it will run: where a node's gradient is captured, the edges
+        into it are divided by the scale they carry.
+        """
+        graph, analysis = prepared.graph, prepared.analysis
+        runs = {j: _will_execute(graph.nodes[j]) for j in analysis.leaves}
+        if all(r is True for r in runs.values()):  # a plain backward: nothing is captured but leaves that run
+            return []
+        targets = {j for j in prepared.leaves.deferred if runs[j] is None}
+        for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured
+            if i in analysis.leaves or not _will_execute(graph.nodes[i]):
+                continue
+            below = [e[0] for e in graph.edges[i] if e is not None]
+            if below and not any(_will_execute(graph.nodes[j]) is not False for j in below):
+                targets.add(i)
+        source = prepared.run if prepared.run is not None else self._plans[prepared.path]
+        handles = []
+        for i, edges in enumerate(graph.edges):
+            for k, edge in enumerate(edges):
+                if edge is not None and edge[0] in targets:
+                    handles.append(graph.nodes[i].register_hook(partial(_divide_edge, graph, source, i, k)))
+        return handles
 
     def _finish(self, prepared: _PreparedBackward) -> None:
         """Run by the autograd engine once a prepared graph's backward is done."""
@@ -426,10 +517,9 @@ class GradientScaler:
         )
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
-            if j in deferred:  # checked just now, as it was unscaled
-                self._unchecked.pop(id(variable), None)
-            else:
-                self._unchecked[id(variable)] = variable
+            self._written[id(variable)] = variable
+            if j in deferred and variable.grad is not None:  # checked just now, as it was unscaled
+                self._checked[id(variable)] = (variable.grad, variable.grad._version)
         if prepared.parent is not None:  # an inner graph: its outer backward goes on
             if run is not None:
                 self._plans[prepared.path] = run.plan()
@@ -506,10 +596,12 @@ class GradientScaler:
                 "produces inf/NaN: lower the learning rate or check the inputs."
             )
 
+    def _buffers(self) -> list[torch.Tensor]:
+        """The attached models' buffers, each once (models may share modules)."""
+        return list({id(b): b for model in self._models for b in model.buffers()}.values())
+
     def _save_buffers(self) -> None:
-        if self._model is None:
-            return
-        buffers = list(self._model.buffers())
+        buffers = self._buffers()
         if not buffers:
             return
         if _same_layout(buffers, self._buffer_copy):
@@ -518,10 +610,8 @@ class GradientScaler:
             self._buffer_copy = [b.detach().clone() for b in buffers]
 
     def _restore_buffers(self) -> None:
-        if self._model is None:
-            return
-        buffers = list(self._model.buffers())
-        if len(buffers) != len(self._buffer_copy):
+        buffers = self._buffers()
+        if not buffers or len(buffers) != len(self._buffer_copy):
             return
         non_finite = sum(not bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point())
         with torch.no_grad():
@@ -565,6 +655,43 @@ class GradientScaler:
             )
         if not analysis.gemms and not analysis.casts:
             self._warn_once("no-gemm", "GradientScaler: no GEMM or cast found in the backward graph; nothing is scaled.")
+
+
+def _will_execute(node: Node) -> bool | None:
+    """Whether the running backward will run ``node``; ``None`` for a leaf whose gradient ``autograd.grad`` captures.
+
+    torch refuses to answer for such a leaf, and its refusal is the answer.
+    """
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return None
+
+
+def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, i: int, k: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """Post-hook of node ``i``: its gradient on edge ``k``, whose target ``autograd.grad`` captures, unscaled."""
+    grad = grad_inputs[k]
+    if grad is None:  # a branch contribution the update run keeps aside: the last one carries the sum
+        return grad_inputs
+    edge = graph.edges[i][k]
+    carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
+    return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])
+
+
+def _flatten(outputs: Outputs, where: str) -> list[torch.Tensor]:
+    """The tensors of ``outputs``, depth first."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for item in outputs for t in _flatten(item, where)]
+    raise TypeError(f"{where}: expected a tensor or (nested) lists/tuples of tensors, got {type(outputs).__name__}")
+
+
+def _unflatten(outputs: Outputs, tensors: Iterator[torch.Tensor]) -> Outputs:
+    """``outputs`` with its tensors replaced, in :func:`_flatten`'s order, by ``tensors``."""
+    if isinstance(outputs, torch.Tensor):
+        return next(tensors)
+    return type(outputs)(_unflatten(item, tensors) for item in outputs)
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:

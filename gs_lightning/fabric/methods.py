@@ -137,6 +137,9 @@ class _ScalingMethod:
     def _build_scaler(self, module: nn.Module, device: str) -> Scaler:
         raise NotImplementedError
 
+    def _attach_module(self, module: nn.Module) -> None:
+        """A further module set up with Fabric: nothing to do unless the scaler tracks models."""
+
 
 def _grad_dtype(value: str | torch.dtype | None) -> torch.dtype:
     if value is None:
@@ -201,6 +204,10 @@ class GradientScaling(_ScalingMethod):
 
     def _build_scaler(self, module: nn.Module, device: str) -> GradientScaler:
         return GradientScaler(module, dtype=self.grad_dtype, **self._options)
+
+    def _attach_module(self, module: nn.Module) -> None:
+        """Its layers get names, and a skipped step restores its buffers too."""
+        self.scaler.attach(module)
 
 
 class DynamicLossScaling(_ScalingMethod):

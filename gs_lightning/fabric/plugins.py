@@ -30,8 +30,9 @@ from gs_lightning.fabric.packages import FABRIC_PRECISIONS
 class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
     """Base of the Fabric fp16 plugins, as Fabric's ``MixedPrecision("16-mixed")`` with the scaler of a scaling method.
 
-    The scaling method (:mod:`gs_lightning.fabric.methods`) builds the scaler for the first module
-    ``fabric.setup`` is given (its layers name the scales).
+    The scaling method (:mod:`gs_lightning.fabric.methods`) builds the scaler for the modules
+    ``fabric.setup`` is given (their layers name the scales; gradient scaling restores the
+    buffers of every one of them on a skipped step).
     Float inputs are cast to fp16 and outputs back to the default dtype, as Fabric's own plugin does.
 
     Args:
@@ -43,7 +44,7 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
 
     def __init__(self, device: str | None = None) -> None:
         self.device = device
-        self._module: nn.Module | None = None
+        self._modules: list[nn.Module] = []
         self._scaler: Scaler | None = None
 
     @property
@@ -54,12 +55,14 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
     def _build_scaler_once(self) -> Scaler:
         if self._scaler is None:
             self._scaler = self._build_scaler(self._set_up_module(), self._device_type())  # type: ignore[attr-defined]
+            for module in self._modules[1:]:
+                self._attach_module(module)  # type: ignore[attr-defined]
         return self._scaler
 
     def _set_up_module(self) -> nn.Module:
-        if self._module is None:
+        if not self._modules:
             raise RuntimeError(f"{type(self).__name__}: the scaler is built for the model; call fabric.setup(model) first.")
-        return self._module
+        return self._modules[0]
 
     def _device_type(self) -> str:
         if self.device is not None:
@@ -68,9 +71,10 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         return param.device.type if param is not None else "cpu"
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Remember the first module set up: its layers name the scales."""
-        if self._module is None:
-            self._module = module
+        """Remember every module set up (a GAN's generator and discriminator): the scaler serves them all."""
+        self._modules.append(module)
+        if self._scaler is not None:
+            self._attach_module(module)  # type: ignore[attr-defined]
         return module
 
     def forward_context(self) -> AbstractContextManager:

@@ -151,3 +151,24 @@ def test_emulated_fp8_gradients_with_gradient_scaling(fabric_package: str) -> No
     significands = [torch.frexp(m.weight.grad[m.weight.grad != 0])[0] * 8 for m in model.modules() if isinstance(m, nn.Linear)]
     assert len(significands) == 2 and all(torch.equal(s, s.round()) for s in significands)
     assert plugin.scaler.format.name == "float8_e5m2"
+
+
+
+@pytest.mark.parametrize("scaler_built_first", [False, True], ids=["setup-then-forward", "scaler-before-second-setup"])
+def test_a_skipped_step_restores_the_buffers_of_every_module_set_up(fabric_package: str, scaler_built_first: bool) -> None:
+    """A GAN set up model by model: the discriminator's BatchNorm statistics are restored too (issue 15)."""
+    plugin = GradientScalingPlugin()
+    fabric = import_module(fabric_package).Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    generator = fabric.setup(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)))
+    if scaler_built_first:
+        assert plugin.scaler is not None
+    discriminator = nn.Sequential(nn.Linear(8, 1), nn.BatchNorm1d(1))
+    discriminator, optimizer = fabric.setup(discriminator, torch.optim.SGD(discriminator.parameters(), lr=0.1))
+    buffers = lambda: [b.clone() for m in (generator, discriminator) for b in m.buffers()]  # noqa: E731
+    before = buffers()
+    loss = discriminator(generator(torch.randn(5, 4))).float().sum()
+    fabric.backward(loss * float("inf"))
+    optimizer.step()
+    assert plugin.scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, buffers()))

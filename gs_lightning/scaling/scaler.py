@@ -337,11 +337,20 @@ class GradientScaler:
                 grads.append(grad)
         return grads
 
-    def update(self) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.
 
         Optional for :meth:`backward` loops: a backward after a step starts a new iteration too.
+
+        Raises:
+            ValueError: if ``new_scale`` is given: there is no one scale to set (``GradScaler``'s
+                ``update(new_scale)``); the scales are per layer and chosen by the scaler.
         """
+        if new_scale is not None:
+            raise ValueError(
+                f"GradientScaler.update: new_scale={new_scale!r} has nothing to set; the scales are per layer and "
+                "chosen on update iterations (see scales()). Use update() without an argument."
+            )
         self._optimizer_stage.clear()
         self._optimizer_found_inf.clear()
         self._found_inf_flags.clear()

@@ -255,3 +255,8 @@ def test_a_skipped_step_restores_the_buffers_of_every_attached_model() -> None:
     scaler.scale(loss).backward()
     assert scaler.step(opt) is False
     assert all(torch.equal(a, b) for a, b in zip(before, [b for m in (generator, discriminator) for b in m.buffers()]))
+
+
+def test_update_with_a_new_scale_says_there_is_none_to_set() -> None:
+    with pytest.raises(ValueError, match="new_scale=1024.0 has nothing to set"):
+        GradientScaler().update(1024.0)

@@ -12,7 +12,8 @@ the port checks the property it protects, said in a comment there. The models ar
 
 Covered elsewhere, not repeated: skipped steps and schedulers, resume, clipping by norm and by value
 at a known norm, micro-batch accumulation (``test_plugins.py``); fused optimizers against a plain fp16
-run (``test_fused_optimizers.py``).
+run (``test_fused_optimizers.py``); ``test_all.py`` (``tests/fabric/test_fabric_precision_parity.py``,
+for both plugin families).
 Not ported: ``test_amp_skip_optimizer`` (several optimizers in automatic optimization, gone from
 Lightning 2); the autocast-cache tests (``test_torch_autocast_cache_behavior_*``,
 ``test_amp_forward_context_restores_grad_mode_context_managers``, ``..._keeps_cache_enabled``), which pin

@@ -93,9 +93,9 @@ def count_steps(optimizer: torch.optim.Optimizer) -> list[None]:
 def assert_same_training(mod_control, mod_scaling, opt_control, opt_scaling) -> None:
     """Gradients, optimizer state and weights equal, bit for bit.
 
-    Upstream allows atol=1e-7 (1e-3 under autocast): one loss scale rounds. Power-of-two scales are
-    exact away from underflow and overflow, and the control runs the same arithmetic (fp32, or the
-    same fp16 autocast), so the runs are equal.
+    Upstream allows atol=1e-7 (1e-3 under autocast, against an fp32 control). Power-of-two scales are
+    exact away from underflow and overflow, and the control here runs the same arithmetic (fp32, or
+    the same fp16 autocast), so the runs are equal.
     """
     for c, s in zip(mod_control.parameters(), mod_scaling.parameters()):
         torch.testing.assert_close(s.grad, c.grad, rtol=0, atol=0)
@@ -111,7 +111,7 @@ def run_scaling_case(run: Callable, unskipped: int, skipped: int, source: str | 
     weights and data, with the scaler enabled and disabled (the same control flow must work both ways)."""
     for enabled in (True, False):
         mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn = create_scaling_case(optimizer_ctor, optimizer_kwargs)
-        # update_interval=2: the four iterations decide scales (0, and 3 after the skip) and replay them (1, 2)
+        # update_interval=2: the run both decides scales and replays decided ones
         scaler = GradientScaler(mod_scaling, update_interval=2, enabled=enabled)
         steps = count_steps(opt_scaling)
         overflow = Overflow(source)
@@ -191,7 +191,7 @@ def test_grad_scaling_unscale_sparse(dtype: torch.dtype) -> None:
     optimizer = torch.optim.SGD([param], lr=1.0)
     scaler = GradientScaler()
     for last, finite in ((64.0, True), (float("inf"), False), (float("nan"), False)):
-        grad = torch.sparse_coo_tensor(i, torch.tensor([16.0, 32.0, last]), (2, 3), dtype=dtype)
+        grad = torch.sparse_coo_tensor(i, torch.tensor([16.0, 32.0, last]), (2, 3), dtype=dtype, check_invariants=True)
         before = param.detach().clone()
         param.grad = grad.clone()
         scaler.unscale_(optimizer)
@@ -209,7 +209,7 @@ def test_grad_scaling_unscale_sparse_uncoalesced_fp16_overflow() -> None:
     optimizer = torch.optim.SGD([param], lr=1.0)
     scaler = GradientScaler()
     i = torch.tensor([[0, 1, 0], [2, 0, 2]])
-    param.grad = torch.sparse_coo_tensor(i, torch.tensor([64000.0, 32.0, 64000.0]), (2, 3), dtype=torch.float16)
+    param.grad = torch.sparse_coo_tensor(i, torch.tensor([64000.0, 32.0, 64000.0]), (2, 3), dtype=torch.float16, check_invariants=True)
     assert not scaler.step(optimizer)
     assert torch.equal(param.detach(), torch.zeros_like(param))
 

@@ -15,9 +15,10 @@ also run with the overflow arising in the backward itself (``OVERFLOW_SOURCES``)
 does (the autocast matrix keeps upstream's way only: it is the slow one).
 
 Not ported: ``test_grad_scaling_multigpu`` and ``test_grad_scaling_device_as_key`` (two CUDA devices);
-``test_grad_scaling_builtins`` and ``test_grad_scaling_update_scale`` call GradScaler's private kernels
-(``_amp_update_scale_``), whose job, backing off after an overflow and growing back after a clean
-interval, is ported as ``test_grad_scaling_update_scale`` on GradientScaler's back-off.
+``test_grad_scaler_deprecated_warning`` (the deprecation of ``torch.cuda.amp.GradScaler``'s name).
+``test_grad_scaling_update_scale`` calls GradScaler's private kernel ``_amp_update_scale_``; its job,
+backing off after an overflow and growing back after a clean interval, is ported onto
+GradientScaler's back-off.
 """
 
 from __future__ import annotations

@@ -146,6 +146,7 @@ class SkipOddBatches(Classifier):
 def test_skip_training_step_with_grad_scaler(lightning_package: str) -> None:
     """A training_step that returns None runs no backward: the scaler's unscale_, step and update are
     skipped for it too (5 batches, 3 with a loss), gradient clipping on."""
+    L.seed_everything(0)
     calls = {name: mock.patch.object(GradientScaler, name, autospec=True, side_effect=getattr(GradientScaler, name)) for name in ("unscale_", "step", "update")}
     with calls["unscale_"] as unscale_, calls["step"] as step, calls["update"] as update:
         trainer = make_trainer(GradientScalingPlugin(), max_steps=5, gradient_clip_val=0.5, package=lightning_package)
@@ -213,6 +214,7 @@ def test_amp_gradient_unscale(accum: int, lightning_package: str) -> None:
     """on_before_optimizer_step sees unscaled gradients, clipping by value (at a tiny value, 1e-3) clips
     those, and the optimizer gets the clipped ones, with and without accumulation (upstream: DDP on two
     GPUs)."""
+    L.seed_everything(0)
     trainer = make_trainer(
         GradientScalingPlugin(update_interval=2),
         max_steps=-1,
@@ -267,6 +269,7 @@ class ManualOptModel(Classifier):
 
 def test_multiple_optimizers_manual_call_counts(lightning_package: str) -> None:
     """Three backwards and two scaler steps per batch, two global steps."""
+    L.seed_everything(0)
     limit_train_batches = 2
     trainer = make_trainer(GradientScalingPlugin(), max_steps=-1, max_epochs=1, limit_train_batches=limit_train_batches, package=lightning_package)
     # count the scaler's steps rather than the optimizer's, which a non-finite gradient would skip
@@ -303,6 +306,7 @@ class StepGradientsModel(ManualOptModel):
 
 
 def test_multiple_optimizers_step(lightning_package: str) -> None:
+    L.seed_everything(0)
     limit_train_batches = 2
     trainer = make_trainer(GradientScalingPlugin(update_interval=2), max_steps=-1, max_epochs=1, limit_train_batches=limit_train_batches, package=lightning_package)
     with count_backwards(trainer) as bwd_mock:
@@ -356,6 +360,7 @@ class ManualOptimizationExtendedModel(Classifier):
 def test_manual_optimization_and_return_tensor(lightning_package: str) -> None:
     """Returning the loss from training_step in manual optimization adds no gradient (upstream: DDP spawn
     on two GPUs)."""
+    L.seed_everything(0)
     trainer = make_trainer(GradientScalingPlugin(), max_steps=-1, max_epochs=1, limit_train_batches=10, package=lightning_package)
     trainer.fit(on_package(ManualOptimizationExtendedModel, lightning_package)(), loader(batch_size=2))
 
@@ -439,6 +444,7 @@ class ToggledOptimizers(Classifier):
 
 
 def test_multiple_optimizers_logging(lightning_package: str, tmp_path) -> None:
+    L.seed_everything(0)
     plugin = GradientScalingPlugin()
     model = on_package(ToggledOptimizers, lightning_package)()
     first_layer = model.net[0].weight.detach().clone()

@@ -545,6 +545,7 @@ def test_grad_scaling_multiple(source: str) -> None:
         run(mod_scaling0, mod_scaling1, opt_scaling0, opt_scaling1, True)
         # Upstream: the scale grew 3 times and backed off once. What it protects: which steps were skipped.
         assert (len(steps0), len(steps1), scaler.skipped_steps) == ((4, 3, 1) if enabled else (4, 4, 0))
+        assert any(scale != 1.0 for scale in overflow.scales) == enabled
         for c, s in zip(chain(mod_control0.parameters(), mod_control1.parameters()), chain(mod_scaling0.parameters(), mod_scaling1.parameters())):
             torch.testing.assert_close(s, c, rtol=0, atol=0)
 

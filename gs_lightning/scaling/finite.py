@@ -25,18 +25,27 @@ def unscale_and_check_(
     """
     flags = {} if found_inf is None else found_inf
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    uncoalesced_fp16: list[torch.Tensor] = []
     for grad in grads:
         if grad is None or not grad.is_floating_point():
             continue
         if grad.is_sparse:  # its values, duplicates included: scaling and checking them is exact
+            if grad.dtype == torch.float16 and not grad.is_coalesced():
+                uncoalesced_fp16.append(grad)  # finite duplicates may overflow once summed, as the optimizer will
             grad = grad._values()
         groups[(grad.device, grad.dtype)].append(grad)
     for (device, _), tensors in groups.items():
-        flag = flags.get(device)
-        if flag is None:
-            flag = flags[device] = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _inv_scale(inv_scale, device))
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, _flag(flags, device), _inv_scale(inv_scale, device))
+    for grad in uncoalesced_fp16:  # GradScaler checks these coalesced too
+        torch._amp_foreach_non_finite_check_and_unscale_([grad.coalesce()._values()], _flag(flags, grad.device), _inv_scale(1.0, grad.device))
     return [flags[device] for device in {device for device, _ in groups}]
+
+
+def _flag(flags: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The shared found-inf flag of ``device``, made on first use."""
+    if device not in flags:
+        flags[device] = torch.zeros(1, device=device)
+    return flags[device]
 
 
 @functools.lru_cache(maxsize=256)

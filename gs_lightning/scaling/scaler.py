@@ -657,8 +657,9 @@ class GradientScaler:
             self._warned.update(opaque)
             warnings.warn(
                 f"GradientScaler: the backward graph contains {', '.join(opaque)} (custom autograd Functions or "
-                "compiled regions); scaling cannot see inside, so their gradients pass through with the scale they "
-                "carry and no scale of their own (reported as kind 'opaque' in layers()).",
+                "compiled regions); scaling cannot see inside, so each is scaled as one unit, as a dynamic loss scale "
+                "would scale it: one binade below the overflow of the gradients entering and leaving it (kind 'opaque' "
+                "in layers()).",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -456,3 +456,36 @@ def test_multiple_optimizers_logging(lightning_package: str, tmp_path) -> None:
     assert set(trainer.progress_bar_metrics) == {"loss_d", "loss_g"}
     assert plugin.scaler.iteration == 4 and plugin.scaler.skipped_steps == 0
     assert not torch.equal(first_layer, model.net[0].weight)  # the discriminator's steps reached it
+
+
+class _NanAfterManualBackward(Classifier):
+    """Manual optimization that writes a NaN into a gradient between ``manual_backward`` and ``opt.step()``."""
+
+    def __init__(self, nan_steps: tuple[int, ...]) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.nan_steps = nan_steps
+        self.stepped: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        self.manual_backward(F.cross_entropy(self.net(x), y))
+        if len(self.stepped) in self.nan_steps:
+            self.net[0].weight.grad[0, 0] = float("nan")
+        before = self.net[0].weight.detach().clone()
+        opt.step()
+        self.stepped.append(not torch.equal(before, self.net[0].weight))
+
+
+def test_manual_optimization_never_steps_on_a_gradient_made_non_finite_after_manual_backward(lightning_package: str) -> None:
+    """GradScaler's rule, through Lightning's manual optimization: the optimizer step judges the ``.grad``
+    it is about to use, not only what the scaler's backward wrote (issue 15)."""
+    torch.manual_seed(0)
+    plugin = GradientScalingPlugin()
+    model = on_package(_NanAfterManualBackward, lightning_package)(nan_steps=(1,))
+    make_trainer(plugin, max_steps=3, package=lightning_package).fit(model, loader())
+    assert model.stepped == [True, False, True]
+    assert plugin.scaler.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())

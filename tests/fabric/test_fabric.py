@@ -172,3 +172,14 @@ def test_a_skipped_step_restores_the_buffers_of_every_module_set_up(fabric_packa
     optimizer.step()
     assert plugin.scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, buffers()))
+
+
+def test_a_compiled_model_set_up_with_fabric_gets_a_scale_for_its_region(fabric_package: str) -> None:
+    """``fabric.setup(torch.compile(model))`` (issue 16): the compiled backward is scaled as one unit."""
+    torch._dynamo.reset()
+    plugin = GradientScalingPlugin()
+    fabric, model, optimizer = launch(fabric_package, plugin, torch.compile(net(), backend="aot_eager"))
+    with pytest.warns(RuntimeWarning, match="CompiledFunctionBackward.*scaled as one unit"):
+        assert train(fabric, model, optimizer, steps=3) == [True, True, True]
+    (region,) = [layer for layer in plugin.scaler.layers() if layer.kind == "opaque"]
+    assert region.log2_scale > 0 and region.log2_total >= 10

@@ -1,0 +1,43 @@
+"""``torch.compile`` with the Trainer plugin, the ways Lightning documents it (issue 16, item 3).
+
+A compiled region's backward is one opaque node, scaled as one unit (see ``tests/scaling/test_opaque.py``).
+``backend="aot_eager"`` builds the same compiled autograd Function as inductor without generating code,
+so these stay fast on the CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import Classifier, loader, make_trainer
+
+from gs_lightning import GradientScalingPlugin
+
+
+def _compile_module(model: Classifier) -> Classifier:
+    return torch.compile(model, backend="aot_eager")
+
+
+def _compile_submodule(model: Classifier) -> Classifier:
+    model.net = torch.compile(model.net, backend="aot_eager")
+    return model
+
+
+@pytest.mark.parametrize("compile_", [_compile_module, _compile_submodule], ids=["LightningModule", "submodule"])
+def test_a_compiled_model_trains_with_the_plugin_and_its_region_gets_a_scale(compile_) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, reference = Classifier(), Classifier()
+    reference.load_state_dict(model.state_dict())
+    plugin = GradientScalingPlugin()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=3).fit(compile_(model), loader())
+        make_trainer(GradientScalingPlugin(), max_steps=3).fit(reference, loader())
+    (region,) = [layer for layer in plugin.scaler.layers() if layer.kind == "opaque"]
+    assert "CompiledFunction" in region.name and region.log2_scale > 0 and region.log2_total >= 10
+    assert plugin.scaler.skipped_steps == 0
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)  # fp16: the two backward graphs round alike, not equally

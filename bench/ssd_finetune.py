@@ -356,7 +356,8 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
 
     steps = len(runs[0].losses)
     keys = list(dict.fromkeys(r.method for r in runs))
-    colours = {key: plt.get_cmap("tab20")(i % 20) for i, key in enumerate(keys)}
+    colours = {key: plt.get_cmap("tab10")(i % 10) for i, key in enumerate(k for k in keys if not k.startswith("e5m2"))}
+    colours |= {key: plt.get_cmap("tab10")(i % 10) for i, key in enumerate(k for k in keys if k.startswith("e5m2"))}
 
     def name(key: str) -> str:
         method = ALL_METHODS[key]
@@ -371,7 +372,8 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
             rs = [r for r in runs if r.method == key]
             for r in rs:
                 skips[r.skipped_at] += 1
-            ax.plot(range(steps), (skips.cumsum(0) / len(rs)).numpy(), label=name(key), color=colours[key])
+            ax.step(range(steps), (skips.cumsum(0) / len(rs)).numpy(), where="post", label=name(key), color=colours[key],
+                    linestyle=":" if "fixed" in key else "-", linewidth=2.5 if key.endswith("-gs") else 1.5)
         ax.set_title(f"{grads} gradients: cumulative skipped steps (mean over seeds)")
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
@@ -387,7 +389,8 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
             r = next((r for r in runs if r.method == key and r.seed == 0 and r.scale_steps), None)
             if r is None or "fixed" in key:  # fixed scales are flat lines at their value
                 continue
-            ax.step(r.scale_steps, r.log2_scale[group], where="post", label=name(key), color=colours[key])
+            ax.step(r.scale_steps, r.log2_scale[group], where="post", label=name(key), color=colours[key],
+                    linestyle="--" if ALL_METHODS[key].grads == "e5m2" else "-")
         ax.set_title(f"{group}: loss scale or GS median accumulated scale (seed 0)")
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 import re
+import shutil
 import sys
 import textwrap
 import warnings
@@ -19,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
+from gs_lightning.lightning.callback import ResumeCallback, finished_epochs
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,9 @@ def build(cfg: DictConfig) -> Run:
     datamodule = _instantiate(cfg.data)
     task = _instantiate(cfg.task, model=_instantiate(cfg.model))
     callbacks = [_instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    for callback in callbacks:
+        if isinstance(callback, ResumeCallback):
+            callback.recipe = _recipe_name()
     trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision))
     return Run(trainer, task, datamodule)
 
@@ -96,12 +104,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
     _quiet_lightning()
     try:
         built = build(cfg)
+        _say_how_fp16_runs(built.trainer)
+        if cfg.ckpt_path is not None:
+            reached = _check_resume(Path(cfg.ckpt_path), built)
+            if reached is not None:
+                log.info(reached)
+                return {}
         built.trainer.fit(built.task, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
         metrics = {k: float(v) for k, v in built.trainer.callback_metrics.items()}
         if cfg.test and not cfg.trainer.fast_dev_run:
             for result in built.trainer.test(built.task, datamodule=built.datamodule, verbose=False):
                 metrics.update(result)
     except (AppError, DatasetError, FileNotFoundError) as error:
+        _remove_empty_run_directory(Path(cfg.paths.output_dir))
         sys.exit(f"error: {_data_root_hint(error, cfg)}")
     if built.trainer.is_global_zero:
         log.info(summary(built.trainer, metrics, cfg))
@@ -115,14 +130,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
 def objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
     """The value of ``cfg.optimized_metric`` that ``train.py`` returns to Hydra's sweepers.
 
-    None when no metric is named, or when the test that logs it did not run (``test=false``,
-    ``fast_dev_run``).
+    None when no metric is named, when nothing was trained (a resumed run had already reached its
+    limits), or when the test that logs it did not run (``test=false``, ``fast_dev_run``).
 
     Raises:
         AppError: the named metric should have been logged and was not.
     """
     name = cfg.get("optimized_metric")
-    if name is None or name in metrics:
+    if name is None or name in metrics or not metrics:
         return metrics.get(name)
     if name.startswith("test/") and (not cfg.test or cfg.trainer.fast_dev_run):
         return None
@@ -148,6 +163,104 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
         lines += textwrap.wrap(_SCALE_TABLE_HELP, width=100)
     lines += ["", *_where(trainer, cfg)]
     return "\n".join(lines)
+
+
+def _say_how_fp16_runs(trainer: L.Trainer) -> None:
+    """Settle ``precision.emulate=auto`` for the device and say, first, how fp16 runs."""
+    plugin = trainer.precision_plugin
+    if not hasattr(plugin, "settle_emulation"):
+        return
+    device = trainer.strategy.root_device.type
+    setting = plugin.emulate
+    if plugin.settle_emulation(device):
+        how = f"emulated on the {device.upper()} (GEMMs and convolutions computed in fp32 and rounded to fp16: fp16's rounding at fp32 speed)"
+    else:
+        how = f"the {device.upper()}'s own fp16 kernels"
+    log.info(f"fp16: {how}; precision.emulate={str(setting).lower()}")
+
+
+# Errors torch.load raises for a file that is not a whole torch archive.
+_UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError)
+
+
+def _check_resume(path: Path, built: Run) -> str | None:
+    """Check ``ckpt_path`` before fitting from it: a one-line AppError for a file that is missing,
+    unreadable, not a checkpoint, or another recipe's or precision method's. Returns the line to
+    print instead of training when the checkpoint's run already reached this run's limits."""
+    if not path.is_file():
+        raise AppError(f"ckpt_path={path}: no such file; expected a checkpoint such as outputs/<recipe>/<precision>/<date>/checkpoints/last.ckpt")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except _UNREADABLE as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise AppError(f"ckpt_path={path}: not a readable checkpoint, the file is truncated or corrupt ({reason})") from error
+    if not isinstance(checkpoint, dict) or not {"state_dict", "loops"} <= checkpoint.keys():
+        raise AppError(f"ckpt_path={path}: a torch file but not a Lightning checkpoint (no 'state_dict' and 'loops'); expected a train.py run's last.ckpt")
+    _check_same_model(path, checkpoint, built.task)
+    _check_same_precision(path, checkpoint, built.trainer)
+    trainer = built.trainer
+    step, epochs = int(checkpoint["global_step"]), finished_epochs(checkpoint)
+    limits = []
+    if trainer.max_steps != -1 and step >= trainer.max_steps:
+        limits.append(f"trainer.max_steps={trainer.max_steps}")
+    if trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
+        limits.append(f"trainer.max_epochs={trainer.max_epochs}")
+    if not limits:
+        return None
+    return (
+        f"Nothing to train: the run of ckpt_path={path} already reached {' and '.join(limits)} (step {step}, "
+        f"{epochs} epochs); raise them to train longer (its test metrics are in that run's log)"
+    )
+
+
+def _check_same_model(path: Path, checkpoint: dict[str, Any], task: L.LightningModule) -> None:
+    """The checkpoint's weights fit this run's model: same names, same shapes."""
+    saved, expected = checkpoint["state_dict"], task.state_dict()
+    recipe = checkpoint.get("callbacks", {}).get("ResumeCallback", {}).get("recipe")
+    origin = f"was written by recipe={recipe} and " if recipe else ""
+    here = f"this run's model (recipe={_recipe_name()})" if _recipe_name() else "this run's model"
+    for name, tensor in saved.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            raise AppError(
+                f"ckpt_path={path} {origin}does not fit {here}: {name} is {list(tensor.shape)} in the checkpoint and "
+                f"{list(expected[name].shape)} here; resume with the recipe and overrides it was trained with"
+            )
+    names = (sorted(set(saved) - set(expected)) or [None])[0], (sorted(set(expected) - set(saved)) or [None])[0]
+    if names != (None, None):
+        what = f"holds {names[0]}, which this model lacks" if names[0] else f"lacks {names[1]}"
+        raise AppError(f"ckpt_path={path} {origin}does not fit {here}: it {what}; resume with the recipe and overrides it was trained with")
+
+
+def _check_same_precision(path: Path, checkpoint: dict[str, Any], trainer: L.Trainer) -> None:
+    """A scaler state in the checkpoint belongs to this run's precision plugin (Lightning would drop it silently)."""
+    from gs_lightning import lightning as plugins
+
+    ours = {name for name in plugins.__all__ if name.endswith("Plugin")}
+    saved = sorted(ours & checkpoint.keys())
+    current = type(trainer.precision_plugin).__qualname__
+    if saved and saved != [current]:
+        raise AppError(
+            f"ckpt_path={path} holds the scaler state of {saved[0]} but this run's precision plugin is {current}; "
+            "resume with the precision it was trained with"
+        )
+
+
+def _recipe_name() -> str | None:
+    """The ``recipe=`` choice of the running Hydra app (None when composed without it, as tests do)."""
+    return HydraConfig.get().runtime.choices.get("recipe") if HydraConfig.initialized() else None
+
+
+# What a run directory holds before anything was trained: Hydra's files and the logger's hyperparameters.
+_NOT_CONTENT = {".hydra", "train.log", "hparams.yaml"}
+
+
+def _remove_empty_run_directory(run_dir: Path) -> None:
+    """Remove the run directory of a failed run when it holds nothing beyond what every run starts with."""
+    if not run_dir.is_dir():
+        return
+    files = [p for p in run_dir.rglob("*") if p.is_file() and not _NOT_CONTENT & {part for part in p.relative_to(run_dir).parts}]
+    if not files:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _where(trainer: L.Trainer, cfg: DictConfig | None) -> list[str]:

@@ -110,22 +110,36 @@ class _ScalingMethod:
     Args:
         device: Autocast device type; ``None`` follows the model.
         emulate: Emulate fp16 GEMMs and convolutions (forward and backward) instead of running
-            the device's fp16 kernels.
+            the device's fp16 kernels; ``"auto"``: emulate on a CPU (the same rounding at fp32
+            speed: CPUs without fp16 units run fp16 convolutions many times slower), run the
+            device's own fp16 kernels elsewhere, settled when the model's device is known.
         grad_dtype: With ``emulate``, the format the gradients of backward GEMMs are rounded to:
             ``"float16"`` (the default) or ``"float8_e5m2"`` / ``"float8_e4m3fn"`` (also a
             ``torch.dtype``). Gradient scaling then protects that format's range.
     """
 
-    def __init__(self, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None) -> None:
+    def __init__(
+        self, device: str | None = None, emulate: bool | Literal["auto"] = False, grad_dtype: str | torch.dtype | None = None
+    ) -> None:
         self.grad_dtype = _grad_dtype(grad_dtype)
-        if self.grad_dtype != torch.float16 and not emulate:
+        if emulate not in (True, False, "auto"):
+            raise ValueError(f"{type(self).__name__}: emulate must be true, false or 'auto', got {emulate!r}")
+        if self.grad_dtype != torch.float16 and emulate is not True:
             raise ValueError(f"{type(self).__name__}: grad_dtype={grad_dtype!r} needs emulate=True (no device computes fp8 gradients here)")
-        self.emulate = bool(emulate)
+        self.emulate: bool | Literal["auto"] = emulate
         self._emulation: AbstractContextManager | None = None
         super().__init__(device)  # type: ignore[call-arg]  # the plugin's fp16 base class
 
+    def settle_emulation(self, device_type: str) -> bool:
+        """Settle ``emulate="auto"`` for the device type the model runs on; return whether it emulates."""
+        if self.emulate == "auto":
+            self.emulate = device_type == "cpu"
+        return bool(self.emulate)
+
     def emulation(self) -> AbstractContextManager:
         """The context the forward and the backward run in: emulated low precision, or nothing."""
+        if self.emulate == "auto":
+            raise RuntimeError(f"{type(self).__name__}: emulate='auto' is settled when the model's device is known (fit, fabric.setup)")
         if not self.emulate:
             return nullcontext()
         if self._emulation is None:

@@ -54,6 +54,7 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
 
     def _build_scaler_once(self) -> Scaler:
         if self._scaler is None:
+            self.settle_emulation(self._device_type())  # type: ignore[attr-defined]
             self._scaler = self._build_scaler(self._set_up_module(), self._device_type())  # type: ignore[attr-defined]
             for module in self._modules[1:]:
                 self._attach_module(module)  # type: ignore[attr-defined]

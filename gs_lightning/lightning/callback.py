@@ -1,5 +1,6 @@
 """Callbacks: GradientScalingCallback logs per-layer gradient scales while training and plots them
-when it ends; RandomStateCallback puts the random generators' states into checkpoints."""
+when it ends; RandomStateCallback puts the random generators' states into checkpoints;
+ResumeCallback makes a resumed or extended run continue exactly where an uninterrupted one would."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
@@ -24,6 +24,7 @@ from gs_lightning.analysis.plots import (
     plot_scale_mean_std,
     save_scale_history,
 )
+from gs_lightning.lightning.packages import KNOWN_LOGGERS, WANDB_LOGGERS
 from gs_lightning.lightning.plugins import GradientScalingPlugin
 from gs_lightning.scaling import GradientScaler
 
@@ -49,8 +50,10 @@ class GradientScalingCallback(Callback):
     ones in :attr:`totals`, both saved in checkpoints. When training ends it writes to the run's log
     directory (``trainer.log_dir``) a layer × step heatmap of the scales (the paper's Figure 3b),
     the mean ± std per layer of the local and the accumulated scales (Figure 2) and the local
-    history as ``scale_history.csv``. With a :class:`~lightning.pytorch.loggers.WandbLogger` the
-    two figures are also logged as images and the history as one line-series chart per layer group.
+    history as ``scale_history.csv``. With a ``WandbLogger`` (of ``lightning.pytorch`` or of
+    ``pytorch_lightning``) the two figures are also logged as images and the history as one
+    line-series chart per layer group. A logger other than W&B, TensorBoard or CSV gets the scalars,
+    and a note, once, that the plots are only in the log directory.
 
     With any other precision plugin it warns once and does nothing.
 
@@ -69,6 +72,7 @@ class GradientScalingCallback(Callback):
         self._scaler: GradientScaler | None = None
         self._last_step = 0
         self._warned = False
+        self._noted_loggers: set[type] = set()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The plugin builds its scaler when the strategy connects it, which precedes this hook.
@@ -111,8 +115,14 @@ class GradientScalingCallback(Callback):
         ]
         self.history_path = save_scale_history(self.history, out / HISTORY_FILE)
         for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
+            if isinstance(logger, WANDB_LOGGERS):
                 _log_to_wandb(logger, self.history, self.plot_paths, trainer.global_step)
+            elif not isinstance(logger, KNOWN_LOGGERS) and type(logger) not in self._noted_loggers:
+                self._noted_loggers.add(type(logger))
+                rank_zero_info(
+                    f"GradientScalingCallback: {type(logger).__name__} got the scale scalars; it is not a logger "
+                    f"this callback knows (W&B, TensorBoard, CSV), so the plots are only in {out}"
+                )
         rank_zero_info(f"GradientScalingCallback: wrote {', '.join(str(p) for p in [*self.plot_paths, self.history_path])}")
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,7 +149,7 @@ class GradientScalingCallback(Callback):
             logger.log_metrics(metrics, step=step)
 
 
-def _log_to_wandb(logger: WandbLogger, history: dict[int, dict[str, float]], plots: list[Path], step: int) -> None:
+def _log_to_wandb(logger: Any, history: dict[int, dict[str, float]], plots: list[Path], step: int) -> None:
     """The figures as images, and the history as one line-series chart per layer group: the W&B dashboard."""
     import wandb  # only with a WandbLogger, which needs it anyway
 
@@ -163,12 +173,11 @@ class RandomStateCallback(Callback):
     dropout) than an uninterrupted one. Together with Lightning's ``seed_everything(workers=True)``
     and loaders that shuffle by ``(seed, epoch)`` (:class:`~gs_lightning.data.base.EpochShuffleSampler`,
     which also fixes the workers' seeds), a run resumed from a checkpoint written at an epoch
-    boundary ends bit-identical to an uninterrupted one on the CPU.
+    boundary ends bit-identical to an uninterrupted one on the CPU (with :class:`ResumeCallback`).
 
-    It also numbers the training samplers' epochs by ``trainer.current_epoch`` (see
-    :meth:`on_train_epoch_start`). The states are restored when training starts, after the
-    sanity-check validation, which would otherwise draw from them first. They are stored as
-    tensors and plain numbers, so a checkpoint loads with ``torch.load(weights_only=True)``.
+    The states are restored when training starts, after the sanity-check validation, which would
+    otherwise draw from them first. They are stored as tensors and plain numbers, so a checkpoint
+    loads with ``torch.load(weights_only=True)``.
     """
 
     def __init__(self) -> None:
@@ -193,13 +202,6 @@ class RandomStateCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning numbers the samplers' epochs by its count of processed epochs, which runs one
-        # ahead of ``current_epoch`` after resuming from a checkpoint written at an epoch's end: the
-        # resumed run would shuffle as the epoch after. Number them by ``current_epoch`` (the loader's
-        # iterator is created after this hook).
-        apply_to_collection(trainer.train_dataloader, DataLoader, _set_sampler_epoch, trainer.current_epoch)
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is None:
             return
@@ -212,3 +214,91 @@ class RandomStateCallback(Callback):
         random.setstate((version, tuple(internal), gauss_next))
         if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ResumeCallback(Callback):
+    """Makes a run resumed from a checkpoint, with the same or larger ``max_epochs``/``max_steps``,
+    train exactly the steps an uninterrupted run with those limits trains, numbered as it numbers them.
+
+    Lightning (2.6) resumes a checkpoint written when an epoch's batches were all done (at
+    validation end, epoch end or the end of ``fit``) as a restart of that epoch when ``max_steps``
+    is set: it trains one batch past the epoch's end and numbers the next epochs one off, and a
+    checkpoint written at validation end counts its epoch twice against ``max_epochs``. So:
+
+    * on loading, such a checkpoint's loop state is made that of a finished epoch, and one written
+      at the end of ``fit`` in the middle of an epoch (``max_steps`` reached) that of an unfinished
+      epoch, which Lightning resumes as a mid-epoch restart;
+    * when training starts from a finished epoch, the loops are told there is nothing to restart,
+      so the next epoch starts as it does in an uninterrupted run;
+    * at every epoch start the training samplers are numbered by ``trainer.current_epoch`` and, in
+      the first epoch after resuming, the loader's iterator is made again: Lightning made it before
+      the sampler's epoch was set and the random states were restored (:class:`RandomStateCallback`).
+
+    Checkpoints also record the recipe that wrote them, so that resuming another recipe's can say so.
+
+    Args:
+        recipe: the name of the recipe this run trains (``None`` outside the app).
+    """
+
+    def __init__(self, recipe: str | None = None) -> None:
+        self.recipe = recipe
+        self._resumed_finished_epoch = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe}
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Callbacks see the checkpoint before the Trainer restores its loops from it.
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+        self._resumed_finished_epoch = fit_loop is not None and settle_epoch_progress(fit_loop)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._resumed_finished_epoch:
+            self._resumed_finished_epoch = False
+            _stop_restarting(trainer.fit_loop)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning numbers the samplers' epochs by its count of processed epochs, which can run one
+        # ahead of ``current_epoch`` after a resume: the run would shuffle as the epoch after.
+        apply_to_collection(trainer.train_dataloader, DataLoader, _set_sampler_epoch, trainer.current_epoch)
+        if trainer.fit_loop.is_resuming:  # the epoch loop makes it itself at every other epoch start
+            iter(trainer.fit_loop._data_fetcher)
+
+
+def settle_epoch_progress(fit_loop: dict[str, Any]) -> bool:
+    """Rewrite a checkpoint's fit-loop state written after an epoch's last batch as a finished epoch,
+    and one written at the end of ``fit`` in the middle of an epoch as that epoch unfinished.
+
+    Returns whether the state is now a finished epoch. Other states (a checkpoint written at the end
+    of a batch) are left to Lightning.
+    """
+    batches, epochs = fit_loop["epoch_loop.batch_progress"], fit_loop["epoch_progress"]
+    started = epochs["current"]["started"]
+    all_batches_done = batches["is_last_batch"] and batches["current"]["completed"] == batches["current"]["ready"]
+    if all_batches_done:
+        finished = started
+    elif epochs["current"]["processed"] == started and batches["current"]["ready"] > 0:
+        finished = started - 1  # fit ended on max_steps and counted the epoch as processed
+    else:
+        return False
+    for counts in (epochs["current"], epochs["total"]):
+        offset = counts["started"] - started  # total and current differ after an earlier restart
+        counts["processed"] = counts["completed"] = finished + offset
+    return all_batches_done
+
+
+def finished_epochs(checkpoint: dict[str, Any]) -> int:
+    """How many epochs the run that wrote ``checkpoint`` had finished (all their batches trained)."""
+    fit_loop = {key: dict(value) if isinstance(value, dict) else value for key, value in checkpoint["loops"]["fit_loop"].items()}
+    fit_loop["epoch_progress"] = {kind: dict(counts) for kind, counts in fit_loop["epoch_progress"].items()}
+    settle_epoch_progress(fit_loop)
+    return int(fit_loop["epoch_progress"]["current"]["completed"])
+
+
+def _stop_restarting(loop: Any) -> None:
+    """Mark a loop and the loops inside it as not restarting (Lightning's setter keeps the fit loop
+    restarting whenever ``max_steps`` is set)."""
+    loop._restarting = False
+    for child in vars(loop).values():
+        if hasattr(child, "_restarting") and child is not loop and hasattr(child, "trainer"):
+            _stop_restarting(child)

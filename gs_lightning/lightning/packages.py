@@ -25,6 +25,9 @@ class LightningPackage:
     Precision: type
     LightningModule: type
     MisconfigurationException: type[Exception]
+    WandbLogger: type
+    # The loggers the callback knows (CSV, TensorBoard, W&B): any other gets the scalars and a note.
+    known_loggers: tuple[type, ...]
 
 
 def _load(name: str) -> LightningPackage | None:
@@ -33,11 +36,14 @@ def _load(name: str) -> LightningPackage | None:
     if find_spec(root) is None or find_spec(name) is None:
         return None
     try:
+        loggers = import_module(f"{name}.loggers")  # the classes import without their optional packages
         return LightningPackage(
             name=name,
             Precision=import_module(f"{name}.plugins.precision").Precision,
             LightningModule=import_module(name).LightningModule,
             MisconfigurationException=import_module(f"{name}.utilities.exceptions").MisconfigurationException,
+            WandbLogger=loggers.WandbLogger,
+            known_loggers=(loggers.CSVLogger, loggers.TensorBoardLogger, loggers.WandbLogger),
         )
     except (ImportError, AttributeError) as error:
         warnings.warn(
@@ -57,6 +63,8 @@ if not PACKAGES:
     )
 
 LIGHTNING_MODULES: tuple[type, ...] = tuple(package.LightningModule for package in PACKAGES)
+WANDB_LOGGERS: tuple[type, ...] = tuple(package.WandbLogger for package in PACKAGES)
+KNOWN_LOGGERS: tuple[type, ...] = tuple(logger for package in PACKAGES for logger in package.known_loggers)
 
 
 def package_of(module: Any) -> LightningPackage:

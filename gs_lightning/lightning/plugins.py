@@ -72,6 +72,7 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Find the autocast device, build the scaler once, and make the schedulers skip-aware."""
         self._autocast_device = self.device or _device_type(model)
+        self.settle_emulation(self._autocast_device)  # type: ignore[attr-defined]
         if self._scaler is None:
             self._scaler = self._build_scaler(_lightning_module(model), self._autocast_device)  # type: ignore[attr-defined]
         for config in lr_schedulers:

@@ -8,6 +8,7 @@ import math
 import random
 import time
 import warnings
+from importlib import import_module
 from pathlib import Path
 
 import lightning as L
@@ -15,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import Classifier, loader, make_trainer
+from lightning_packages import on_package
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 
 from gs_lightning import FP16Plugin, GradientScalingCallback, GradientScalingPlugin
 from gs_lightning.analysis import (
+    history_layers,
     history_matrix,
     layer_groups,
     plot_scale_heatmap,
@@ -92,24 +95,27 @@ def test_other_plugins_warn_once_and_log_nothing(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("*.png"))
 
 
-def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Path, monkeypatch) -> None:
+def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Path, monkeypatch, lightning_package: str) -> None:
+    """In either package's Trainer with that package's WandbLogger."""
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     torch.manual_seed(0)
     callback = GradientScalingCallback(log_every_n_steps=2)
+    logger = import_module(f"{lightning_package}.loggers").WandbLogger(offline=True, save_dir=str(tmp_path), project="gs")
+    model = on_package(Classifier, lightning_package)(hidden_layers=1)
     try:
-        fit(GradientScalingPlugin(), callback, 4, tmp_path, logger=WandbLogger(offline=True, save_dir=str(tmp_path), project="gs"))
+        fit(GradientScalingPlugin(), callback, 4, tmp_path, model=model, logger=logger, package=lightning_package)
     finally:
         wandb.finish()
 
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     images = sorted(p.name.rsplit("_", 2)[0] for p in (run / "files/media/images/gs/plots").glob("*.png"))
     assert images == ["scale_heatmap", "scale_mean_std"]  # W&B names them <key>_<its step>_<hash>.png
-    # One line-series chart per layer group ("2", "3"); their tables are plain JSON in the run's files.
+    # One line-series chart per layer group (e.g. "2", "3"); their tables are plain JSON in the run's files.
     tables = sorted((run / "files/media/table/gs/scale_history").glob("*.table.json"))
-    assert [t.name.split("_")[0] for t in tables] == ["2", "3"]
+    assert [t.name.split("_")[0] for t in tables] == sorted(layer_groups(history_layers(callback.history)))
     logged = {}
     for table in tables:
         content = json.loads(table.read_text())
@@ -126,6 +132,34 @@ def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Pat
     records = log.read_bytes()
     for key in keys:
         assert key.encode() in records, key
+
+
+class _ListLogger(Logger):
+    """A logger the callback does not know: keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    name = "list"
+    version = 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def test_unknown_logger_gets_the_scalars_and_one_note(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    logger = _ListLogger()
+    callback = GradientScalingCallback(log_every_n_steps=2)
+    with caplog.at_level("INFO"):
+        for _ in range(2):
+            fit(GradientScalingPlugin(), callback, 4, tmp_path, logger=logger)
+    assert any("gs/scale/net.0" in metrics for metrics in logger.metrics)
+    notes = [r.message for r in caplog.records if "not a logger this callback knows" in r.message]
+    assert len(notes) == 1 and "_ListLogger got the scale scalars" in notes[0]
 
 
 def test_plots_and_table_from_a_history(tmp_path: Path) -> None:

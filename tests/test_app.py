@@ -21,7 +21,7 @@ from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
 from gs_lightning import GradientScalingPlugin
-from gs_lightning.app import AppError, build, objective, precision_arguments, register_recipes, run
+from gs_lightning.app import AppError, _say_how_fp16_runs, build, objective, precision_arguments, register_recipes, run
 from gs_lightning.data.synthetic import write_synthetic_camvid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,3 +323,70 @@ def test_bad_values_exit_without_traceback(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.startswith("error: precision: ") and "update_interval" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _demo_like(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
+    """The demo's recipe (max_steps set, validation every 10 epochs) on 3 steps per epoch."""
+    return _compose([
+        f"paths.output_dir={out}", *QUIET, f"data.root={data_dir / 'camvid6'}",
+        "++data.synthetic={n_train: 6, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
+        "data.batch_size=2", "data.num_workers=0", "model.width=4", *overrides,
+    ])
+
+
+def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A demo-like run of 3 epochs (9 steps), resumed from its last.ckpt with max_epochs=4 or
+    max_steps=12, trains exactly epoch 3 and ends bit-identical to a run of 4 epochs; resumed with
+    the limits it already reached, it trains nothing and says so."""
+    straight = run(_demo_like(tmp_path / "straight", tmp_path, "trainer.max_epochs=4"))
+    run(_demo_like(tmp_path / "first", tmp_path, "trainer.max_epochs=3"))
+    first = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    final = _weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    for limit in ("trainer.max_epochs=4", "trainer.max_steps=12"):
+        out = tmp_path / limit.split("=")[0]
+        metrics = run(_demo_like(out, tmp_path, limit, f"ckpt_path={first}"))
+        resumed = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+        assert (resumed["global_step"], resumed["epoch"]) == (12, 4), limit
+        assert all(torch.equal(final[k], resumed["state_dict"][k]) for k in final), limit
+        assert metrics["test/miou"] == straight["test/miou"]
+    with caplog.at_level("INFO", logger="gs_lightning.app"):
+        assert run(_demo_like(tmp_path / "again", tmp_path, "trainer.max_epochs=3", f"ckpt_path={first}")) == {}
+    assert "Nothing to train: the run of ckpt_path=" in caplog.text and "already reached trainer.max_epochs=3" in caplog.text
+    assert not (tmp_path / "again" / "checkpoints").exists()
+
+
+def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> None:
+    """Missing, truncated, not a checkpoint, another model's, another precision's: one line each;
+    the checkpoint is untouched and the failed run leaves no run directory behind."""
+    run(_demo_like(tmp_path / "demo", tmp_path, "trainer.max_steps=1", "test=false"))
+    good = tmp_path / "demo" / "checkpoints" / "last.ckpt"
+    content = good.read_bytes()
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(content[: len(content) // 2])
+    not_a_checkpoint = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2)}, not_a_checkpoint)
+    cases = {
+        "missing": ([f"ckpt_path={tmp_path / 'nope.ckpt'}"], "no such file"),
+        "truncated": ([f"ckpt_path={truncated}"], "not a readable checkpoint, the file is truncated or corrupt ("),
+        "not a checkpoint": ([f"ckpt_path={not_a_checkpoint}"], "a torch file but not a Lightning checkpoint"),
+        "another model": ([f"ckpt_path={good}", "model.width=8"], "is [4, 3, 3, 3] in the checkpoint and [8, 3, 3, 3] here"),
+        "another precision": ([f"ckpt_path={good}", "precision=dynamic"], "holds the scaler state of GradientScalingPlugin but this run's precision plugin is DynamicLossScalingPlugin"),
+    }
+    for name, (overrides, expected) in cases.items():
+        out = tmp_path / name
+        with pytest.raises(SystemExit) as info:
+            run(_demo_like(out, tmp_path, "trainer.max_steps=2", *overrides))
+        message = info.value.code
+        assert isinstance(message, str) and "\n" not in message and expected in message, (name, message)
+        assert not out.exists(), name
+    assert good.read_bytes() == content
+
+
+def test_emulate_auto_emulates_fp16_on_the_cpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _recipe("demo", tmp_path, tmp_path / "data", "trainer.fast_dev_run=true")
+    assert cfg.precision.emulate == "auto"
+    built = build(cfg)
+    with caplog.at_level("INFO", logger="gs_lightning.app"):
+        _say_how_fp16_runs(built.trainer)
+    assert built.trainer.precision_plugin.emulate is True
+    assert "fp16: emulated on the CPU" in caplog.text and "precision.emulate=auto" in caplog.text

@@ -157,42 +157,74 @@ def _sum_max(grad: torch.Tensor, channel_dim: int) -> torch.Tensor:
     return grad.float().sum([d for d in range(grad.dim()) if d != channel_dim]).abs().max()
 
 
-def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
-    bounds = []
+def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    bounds = {}
     inputs = saved_tensor(node, "input")
     if 1 in weight_edges and inputs is not None:  # ∇W[o, i, k] = Σ_{n,h,w} ∇Y[n,o,h,w]·X[n,i,h+k]: Cauchy–Schwarz
-        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(inputs, 1))
+        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad, 1) * _channel_norm_max(inputs, 1)
     if 2 in weight_edges:  # the bias gradient is computed exactly: it is a sum of ∇Y
-        bounds.append(_sum_max(grad, 1))
+        bounds[BIAS_GRADIENT] = _sum_max(grad, 1)
     return bounds
 
 
-def _addmm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
-    bounds = []
+def _addmm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    bounds = {}
     mat1 = saved_tensor(node, "mat1")
     if 2 in weight_edges and mat1 is not None:  # ∇W = Xᵀ·∇Y summed over the rows
-        bounds.append(_channel_norm_max(grad, 1) * _channel_norm_max(mat1, 1))
+        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad, 1) * _channel_norm_max(mat1, 1)
     if 0 in weight_edges:
-        bounds.append(_sum_max(grad, 1))
+        bounds[BIAS_GRADIENT] = _sum_max(grad, 1)
     return bounds
 
 
-def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> list[torch.Tensor]:
+def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[str, torch.Tensor]:
     left = saved_tensor(node, "self")
     if 1 not in weight_edges or left is None:
-        return []
-    return [_channel_norm_max(grad, 1) * _channel_norm_max(left, 1)]
+        return {}
+    return {WEIGHT_GRADIENT: _channel_norm_max(grad, 1) * _channel_norm_max(left, 1)}
 
+
+WEIGHT_GRADIENT, BIAS_GRADIENT = "weight gradient", "bias gradient"
 
 # Per GEMM node type: upper bounds on the largest weight (and bias) gradient it outputs from the
-# incoming ∇Y, for its inputs that are parameters. The paper bounds only ∇X; but a weight
-# gradient sums over batch × positions, so at scales that keep ∇X above λmin it is the first to
-# overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost. Under activation
-# checkpointing the input is not readable: the bound is left out and an overflow skips the step.
-WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], list[torch.Tensor]]] = {
+# incoming ∇Y, for its inputs that are parameters, by what they bound. The paper bounds only ∇X;
+# but a weight gradient sums over batch × positions, so at scales that keep ∇X above λmin it is
+# the first to overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost.
+# Under activation checkpointing the input is not readable: the bound is left out and an overflow
+# skips the step.
+WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], dict[str, torch.Tensor]]] = {
     "ConvolutionBackward0": _conv_weight_grad_bounds,
     "AddmmBackward0": _addmm_weight_grad_bounds,
     "MmBackward0": _mm_weight_grad_bounds,
+}
+
+
+def _conv_weight_grad(node: Node, grad: torch.Tensor) -> torch.Tensor | None:
+    inputs, weight = saved_tensor(node, "input"), saved_tensor(node, "weight")
+    if inputs is None or weight is None:
+        return None
+    return torch.ops.aten.convolution_backward(
+        grad.float(), inputs.float(), weight.float(), None, node._saved_stride, node._saved_padding, node._saved_dilation,
+        node._saved_transposed, node._saved_output_padding, node._saved_groups, [False, True, False],
+    )[1]
+
+
+def _addmm_weight_grad(node: Node, grad: torch.Tensor) -> torch.Tensor | None:
+    mat1 = saved_tensor(node, "mat1")
+    return None if mat1 is None else mat1.float().t() @ grad.float()
+
+
+def _mm_weight_grad(node: Node, grad: torch.Tensor) -> torch.Tensor | None:
+    left = saved_tensor(node, "self")
+    return None if left is None else left.float().t() @ grad.float()
+
+
+# Per GEMM node type: the weight gradient itself, computed in fp32 from the incoming ∇Y, for when
+# the Cauchy–Schwarz bound above is what limits a scale (it is loose by up to √(batch·positions)).
+EXACT_WEIGHT_GRADS: dict[str, Callable[[Node, torch.Tensor], torch.Tensor | None]] = {
+    "ConvolutionBackward0": _conv_weight_grad,
+    "AddmmBackward0": _addmm_weight_grad,
+    "MmBackward0": _mm_weight_grad,
 }
 
 # Fused kernels that compute several GEMMs in low precision inside one node, and the edges whose

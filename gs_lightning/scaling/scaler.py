@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from functools import partial
@@ -33,7 +32,8 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from gs_lightning.scaling.checkpointing import intercept_recomputation
-from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
+from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, overflow_caps, unscale_check_and_measure
+from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
@@ -170,6 +170,8 @@ class GradientScaler:
         self._last_skip = 0  # iteration of the last skipped step
         self._layers: dict[str, LayerScale] = {}
         self._first_non_finite: str | None = None
+        self._drift = GradientDrift(window=update_interval)  # norms of each scale group's gradients: an update when they drift
+        self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
         self._prepared: _PreparedBackward | None = None
         # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
         # .grad tensors those flags cover, with their version counters then. Any other .grad (unscaled during
@@ -314,8 +316,17 @@ class GradientScaler:
     def _flagged(self) -> bool:
         """Whether a fused unscale-and-check since the last step met a non-finite value (one sync)."""
         if self._flags_read is None:
-            flags = self._found_inf_flags
-            self._flags_read = bool(torch.stack([f.to(flags[0].device) for f in flags]).any()) if flags else False
+            flags, norms = self._found_inf_flags, self._drift.pending()
+            if not flags:
+                self._flags_read = False
+                self._drift.read([])  # nothing measured this iteration
+                return False
+            device = flags[0].device
+            parts = [f.to(device) for f in flags] + ([torch.stack(norms).to(device)] if norms else [])
+            values = torch.cat(parts).tolist()  # the flags and the drift statistic in one sync
+            self._flags_read = any(values[: len(flags)])
+            if self._drift.read(values[len(flags) :]).drifted:
+                self._force_update = True
         return self._flags_read
 
     def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -355,6 +366,7 @@ class GradientScaler:
         self._optimizer_found_inf.clear()
         self._found_inf_flags.clear()
         self._flags_read = None
+        self._drift.discard()
         self._checked.clear()
         self._written.clear()
         self._skipped_this_iteration = False
@@ -371,6 +383,13 @@ class GradientScaler:
         """Everything the last update chose, layer by layer, in backward order."""
         return list(self._layers.values())
 
+    @property
+    def drift(self) -> DriftReading:
+        """What the last step read of the gradients between updates: by how many binades a scale
+        group's gradients shrank below the update that chose its scale (≥ 1 makes the next backward
+        an update), and which gradients were non-finite. Read in the step's one synchronisation."""
+        return self._drift.last
+
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: counters, back-off and every scale of the last update (plain containers)."""
         return {
@@ -381,6 +400,8 @@ class GradientScaler:
             "backoff": self._backoff,
             "last_skip": self._last_skip,
             "first_non_finite": self._first_non_finite,
+            "drift": self._drift.state_dict(),
+            "layer_backoff": self._layer_backoff.state_dict(),
             "plans": [[list(path), plan.state_dict()] for path, plan in self._plans.items()],
             "layers": [asdict(layer) for layer in self._layers.values()],
         }
@@ -401,6 +422,8 @@ class GradientScaler:
         self._backoff = state["backoff"]
         self._last_skip = int(state["last_skip"])
         self._first_non_finite = state.get("first_non_finite")
+        self._drift.load_state_dict(state.get("drift", {}))
+        self._layer_backoff.load_state_dict(state.get("layer_backoff", []))
         plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
         self._plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in plans}
         self._analyses = {}
@@ -456,12 +479,13 @@ class GradientScaler:
             if not path and not known:  # a new structure: the inner graphs' plans belong to the old one
                 self._plans.clear()
                 self._analyses.clear()
+                self._layer_backoff.clear()
             analysis = self._analyses[path] = analyze(graph, self._module_names, exit_leaves)
             self._check_parameters(graph, exit_leaves)
             self._warn_unhandled(graph, analysis)
         excluded = parent.leaf_ids() if parent is not None else set()
         leaves = LeafTargets(self._deferred_leaves(graph, analysis, exit_leaves, excluded), exit_leaves, root_alpha)
-        run = UpdateRun(graph, analysis, self._settings(), leaves, self._warn_once, root_alpha) if update or not known else None
+        run = UpdateRun(graph, analysis, self._settings(path), leaves, self._warn_once, root_alpha) if update or not known else None
         prepared = _PreparedBackward(graph, analysis, leaves, run, path, parent)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
@@ -521,8 +545,10 @@ class GradientScaler:
         alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
         deferred = prepared.leaves.deferred
         self._flags_read = None
-        self._found_inf_flags += _unscale_and_check_leaves(
-            [(graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
+        self._found_inf_flags += unscale_check_and_measure(
+            [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred],
+            self._drift if not prepared.path else None,
+            run is not None,
         )
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
@@ -561,7 +587,7 @@ class GradientScaler:
                 deferred.append(j)
         return frozenset(deferred)
 
-    def _settings(self) -> Settings:
+    def _settings(self, path: Path) -> Settings:
         caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale)) if c is not None]
         return Settings(
             underflow_rate=self.underflow_rate,
@@ -570,6 +596,8 @@ class GradientScaler:
             relu_factor=self.relu_factor,
             layer_cap=_log2_floor(self.max_layer_scale),
             total_cap=min(caps) if caps else None,
+            node_caps=self._layer_backoff.node_caps() if not path else {},
+            overflow_margin=self._drift.headroom_log2,
         )
 
     def _finish_update(self, run: UpdateRun) -> None:
@@ -579,6 +607,7 @@ class GradientScaler:
         self._layers = {layer.name: layer for layer in run.layers}
         self._first_non_finite = run.first_non_finite()
         self._force_update = False
+        self._layer_backoff.relax(run.alpha_out, self._iteration, self.update_interval)
         if self._backoff is not None and scheduled:
             largest = max(run.alpha_out.values(), default=0)
             # One bit per clean interval; drop the cap once it no longer binds.
@@ -590,9 +619,15 @@ class GradientScaler:
         self._skipped_this_iteration = True
         self._skipped_steps += 1
         self._consecutive_skips += 1
-        largest = max((a for plan in self._plans.values() for a in plan.alpha_out.values()), default=0)
-        cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
-        self._backoff = max(cap, _MIN_BACKOFF)
+        plan, analysis, reading = self._plans.get(()), self._analyses.get(()), self._drift.last
+        known = plan is not None and analysis is not None and reading.some_overflowed
+        caps = overflow_caps(analysis, plan, reading.non_finite) if known else {}
+        if caps:  # the overflowing layers are known: lower those only
+            self._layer_backoff.lower(caps, self._iteration, _MIN_BACKOFF)
+        else:
+            largest = max((a for plan in self._plans.values() for a in plan.alpha_out.values()), default=0)
+            cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
+            self._backoff = max(cap, _MIN_BACKOFF)
         self._last_skip = self._iteration
         self._force_update = True
         self._restore_buffers()
@@ -720,20 +755,3 @@ def _same_layout(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> boo
     return len(tensors) == len(copies) and all(
         t.shape == c.shape and t.dtype == c.dtype and t.device == c.device for t, c in zip(tensors, copies)
     )
-
-
-def _unscale_and_check_leaves(leaves: Iterable[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-    """Divide each leaf's ``.grad`` by ``2^alpha`` and flag non-finite values, without a sync.
-
-    One fused pass over the gradients (``unscale_and_check_``) per scale, device and dtype, all
-    setting one flag per device: the memory traffic of ``GradScaler.unscale_``, and ``step``
-    needs no second pass.
-    """
-    by_alpha: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for variable, alpha in leaves:
-        if variable.grad is not None:
-            by_alpha[alpha].append(variable.grad)
-    found_inf: dict[torch.device, torch.Tensor] = {}
-    for alpha, grads in by_alpha.items():
-        unscale_and_check_(grads, 2.0**-alpha, found_inf)
-    return list(found_inf.values())

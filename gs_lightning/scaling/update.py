@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
 from gs_lightning.scaling.graph import (
+    EXACT_WEIGHT_GRADS,
     GEMM_OPERANDS,
     RNN_NODES,
     WEIGHT_GRAD_BOUNDS,
+    WEIGHT_GRADIENT,
     AutogradGraph,
     GraphAnalysis,
     Slot,
@@ -48,6 +50,9 @@ class Settings:
         relu_factor: Multiplies the accumulation length of Lemma 1.
         layer_cap: log2 cap on each local scale, or ``None``.
         total_cap: log2 cap on each accumulated scale (user cap and back-off), or ``None``.
+        node_caps: Node index -> log2 cap on that node's accumulated scale (per-layer back-off).
+        overflow_margin: Binades kept below every overflow bound, for gradients that grow before
+            the next update.
     """
 
     underflow_rate: float
@@ -56,6 +61,8 @@ class Settings:
     relu_factor: float
     layer_cap: int | None
     total_cap: int | None
+    node_caps: Mapping[int, int] = field(default_factory=dict)
+    overflow_margin: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,13 @@ class LayerScale:
         log2_total: log2 of the accumulated scale its outgoing gradients carry.
         underflow_rate: The estimated underflow rate of its output at that scale (NaN where no
             model applies).
+        measured_underflow: The fraction of the exact fp32 probe values of its output (a cast's
+            own gradient) left below λmin at that scale, measured on the update iteration
+            (``None`` where nothing was probed).
+        limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
+            lower: ``"overflow of <tensor>"``, ``"max_layer_scale"``, ``"accumulated-scale cap"``
+            (``max_total_scale``, or the back-off after an overflow no layer could be named for)
+            or ``"back-off of this layer"`` (after its gradients overflowed).
     """
 
     name: str
@@ -77,6 +91,8 @@ class LayerScale:
     log2_scale: int
     log2_total: int
     underflow_rate: float
+    measured_underflow: float | None = None
+    limited_by: str = ""
 
 
 def stats(*values: torch.Tensor) -> list[float]:
@@ -108,6 +124,10 @@ Warn = Callable[[str, str], None]
 # gradients measured 2^1.4 (MLP), 2^3.0 (ResNet-18) and 2^10.4 (SegNet-basic on 0-255 pixels)
 # above the gradient entering it, compiled with torch.compile).
 OPAQUE_PROBE_HEADROOM_LOG2 = 12
+
+# Headroom kept above a weight gradient measured on an update iteration, in binades, for the
+# batches until the next update (README "How it works": chosen on bench/compare_training.py).
+WEIGHT_GRAD_MARGIN_LOG2 = 0.5
 
 
 class UpdateRun:
@@ -190,7 +210,7 @@ class UpdateRun:
         a = self.analysis
         present = [(s, g) for s, g in enumerate(grad_outputs) if g is not None]
         parts = [(g, self.slot_alpha.get((i, s), 0)) for s, g in present]
-        alpha = self._common(parts) if parts else 0
+        alpha = self._common(parts, i) if parts else 0
         grads = list(grad_outputs)
         for (s, g), (_, a_s) in zip(present, parts):
             grads[s] = times_pow2(g, alpha - a_s)
@@ -252,69 +272,108 @@ class UpdateRun:
         if self._arrived[slot] < self.graph.in_counts[slot]:
             return None
         parts = self._stash.pop(slot, [])
-        common = self.slot_alpha[slot] = self._common(parts) if parts else alpha
+        common = self.slot_alpha[slot] = self._common(parts, slot[0]) if parts else alpha
         total = None
         for part, a in parts:  # in arrival order, as autograd itself would sum them
             term = times_pow2(part, common - a)
             total = term if total is None else total + term
         return total
 
-    def _common(self, parts: list[tuple[torch.Tensor, int]]) -> int:
+    def _common(self, parts: list[tuple[torch.Tensor, int]], i: int) -> int:
         """Algorithm 1, line 17: one scale for gradients that carry different ones."""
         alphas = [a for _, a in parts]
         if len(set(alphas)) == 1:
             return alphas[0]
         maxima = stats(*(absmax(g) for g, _ in parts))
         largest = max(m * 2.0**-a for m, a in zip(maxima, alphas))
-        return self._capped(branch_log2_scale(alphas, largest, self.settings.lambda_max))
+        return self._capped(branch_log2_scale(alphas, largest, self.settings.lambda_max), i)
 
-    def _capped(self, exponent: int) -> int:
-        cap = self.settings.total_cap
-        return exponent if cap is None else min(exponent, cap)
-
-    def _ceiling(self, alpha: int) -> int | None:
-        s = self.settings
-        caps = [c for c in (s.layer_cap, None if s.total_cap is None else s.total_cap - alpha) if c is not None]
+    def _total_cap(self, i: int) -> int | None:
+        caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i)) if c is not None]
         return min(caps) if caps else None
 
+    def _capped(self, exponent: int, i: int) -> int:
+        cap = self._total_cap(i)
+        return exponent if cap is None else min(exponent, cap)
+
+    def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float]) -> tuple[int, str]:
+        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``."""
+        s = self.settings
+        upper_name, upper = min(limits.items(), key=lambda item: item[1], default=("", math.inf))
+        upper -= s.overflow_margin
+        caps = {"max_layer_scale": s.layer_cap}
+        if s.total_cap is not None:
+            caps["accumulated-scale cap"] = s.total_cap - alpha
+        if i in s.node_caps:
+            caps["back-off of this layer"] = s.node_caps[i] - alpha
+        caps = {name: cap for name, cap in caps.items() if cap is not None}
+        beta = choose_log2_scale(lower, upper, min(caps.values(), default=None))
+        if not math.isfinite(lower) or beta >= math.ceil(lower):
+            return beta, ""
+        binding = next((name for name, cap in caps.items() if beta == cap), None)
+        if binding is not None and (not math.isfinite(upper) or beta < math.ceil(upper) - 1):
+            return beta, binding
+        return beta, f"overflow of the {upper_name}"
+
     def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
-        """Theorem 1 (exact for small N) and the probed output: the larger scale of the two."""
+        """Theorem 1 (exact for small N) and the probed output: the larger scale of the two.
+
+        The first layer sends no activation gradient on: only its weight gradients bound its scale
+        (β ≤ 0, where the scale it receives would overflow them).
+        """
         s, name = self.settings, self.graph.names[i]
         operand_of = GEMM_OPERANDS[name]
         operands = [(k, operand_of[k](self.graph, i, grad)) for k in self.analysis.gemms[i]]
         operands = [(k, op) for k, op in operands if op.operand is not None]
-        if not operands:  # the first layer (no activation gradient leaves it), or operands unreadable
-            return 0
         node = self.graph.nodes[i]
+        weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else {}
+        if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
+            return 0
         samples = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
-        weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else []
         grad_rms, grad_max, *values = stats(
-            rms(grad), absmax(grad), *(f(op.operand) for _, op in operands for f in (rms, absmax)), *weight_bounds
+            rms(grad), absmax(grad), *(f(op.operand) for _, op in operands for f in (rms, absmax)), *weight_bounds.values()
         )
         if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
             return self._non_finite(i, "gemm", alpha)
-        operand_stats, weight_stats = values[: 2 * len(operands)], values[2 * len(operands) :]
+        operand_stats, weight_stats = values[: 2 * len(operands)], dict(zip(weight_bounds, values[2 * len(operands) :]))
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
         sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
         lower = max(
             [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples]
+            + [sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples],
+            default=-math.inf,
         )
-        upper = min(
-            [overflow_max_log2_scale(grad_max, s.lambda_max)]
-            + [
-                overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * k + 1], s.lambda_max)
-                for k, (_, op) in enumerate(operands)
-            ]
-            + [overflow_max_log2_scale(bound, s.lambda_max) for bound in weight_stats]
+        limits = {
+            "incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max),
+            **{
+                f"gradient of input {k}": overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * j + 1], s.lambda_max)
+                for j, (k, op) in enumerate(operands)
+            },
+            **{tensor: overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
+        }
+        wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
+        if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
+            limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
+        beta, limited_by = self._choose(i, alpha, lower, limits)
+        measured = [sample_underflow_rate(v, beta, s.lambda_min) for v in samples]
+        # default: the first layer sends no activation gradient on, so none of its output can underflow
+        rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
+        self.layers.append(
+            LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate, max(measured) if measured else None, limited_by)
         )
-        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
-        rate = max(
-            [gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
-            + [sample_underflow_rate(v, beta, s.lambda_min) for v in samples]
-        )
-        self.layers.append(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate))
         return beta
+
+    def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> float:
+        """The overflow bound from the weight gradient itself, computed in fp32, with :data:`WEIGHT_GRAD_MARGIN_LOG2` to spare.
+
+        Only where the Cauchy–Schwarz bound is what keeps a scale from meeting γ' (one more GEMM
+        on such layers, on update iterations only).
+        """
+        exact = EXACT_WEIGHT_GRADS[self.graph.names[i]](self.graph.nodes[i], grad)
+        if exact is None:
+            return math.inf
+        (largest,) = stats(absmax(exact))
+        return overflow_max_log2_scale(largest * 2.0**WEIGHT_GRAD_MARGIN_LOG2, self.settings.lambda_max)
 
     def _cast_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
         """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others)."""
@@ -334,7 +393,7 @@ class UpdateRun:
         (grad_max,) = stats(absmax(grad))
         upper = overflow_max_log2_scale(grad_max, self.settings.lambda_max)
         beta = math.ceil(upper) - 1 - OPAQUE_PROBE_HEADROOM_LOG2 if math.isfinite(upper) else 0
-        ceiling = self._ceiling(alpha)
+        ceiling = self._opaque_ceiling(i, alpha)
         beta = beta if ceiling is None else min(beta, ceiling)
         self._opaque_probes[i] = (beta, upper)
         return beta
@@ -358,14 +417,19 @@ class UpdateRun:
             return alpha
         upper = min([upper_in] + [probe + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima])
         beta = math.ceil(upper) - 2 if math.isfinite(upper) else 0  # one binade of margin below the largest
-        ceiling = self._ceiling(alpha_in)
+        ceiling = self._opaque_ceiling(i, alpha_in)
         beta = beta if ceiling is None else min(beta, ceiling)
         for k, g in enumerate(out):
             out[k] = times_pow2(g, beta - probe) if g is not None and g.is_floating_point() else g
         rate = max((sample_underflow_rate(g, beta - probe, self.settings.lambda_min) for g in grads if g.numel()), default=math.nan)
-        self.layers.append(LayerScale(name, "opaque", beta, alpha_in + beta, rate))
+        self.layers.append(LayerScale(name, "opaque", beta, alpha_in + beta, rate, measured_underflow=rate))
         self.alpha_out[i] = alpha_in + beta
         return alpha_in + beta
+
+    def _opaque_ceiling(self, i: int, alpha: int) -> int | None:
+        total = self._total_cap(i)
+        caps = [c for c in (self.settings.layer_cap, None if total is None else total - alpha) if c is not None]
+        return min(caps, default=None)
 
     def _non_finite(self, i: int, kind: str, alpha: int) -> int:
         """No decision (no finite statistics to decide on): the scale passes through."""
@@ -380,8 +444,10 @@ class UpdateRun:
         if not all(map(math.isfinite, (grad_max, *sample_max))):
             return self._non_finite(i, kind, alpha)
         lower = max(sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples)
-        upper = min(overflow_max_log2_scale(m, s.lambda_max) for m in (grad_max, *sample_max))
-        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
+        limits = {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)}
+        for k, m in enumerate(sample_max):
+            limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m, s.lambda_max)
+        beta, limited_by = self._choose(i, alpha, lower, limits)
         rate = max(sample_underflow_rate(v, beta, s.lambda_min) for v in samples)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate))
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate, rate, limited_by))
         return beta

@@ -4,6 +4,7 @@ ResumeCallback makes a resumed or extended run continue exactly where an uninter
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,10 @@ class GradientScalingCallback(Callback):
     training, it logs through every configured logger (CSV, TensorBoard, W&B):
 
     * ``gs/scale/<layer>``: log2 of the layer's local scale β,
-    * ``gs/underflow/<layer>``: the model's estimated underflow rate at that scale,
+    * ``gs/underflow/<layer>``: the model's estimated underflow rate at that scale, and
+      ``gs/underflow/<layer>/measured`` the rate measured on the update's exact fp32 probes,
+    * ``gs/drift``: by how many binades the gradients shrank below the last update (measured at
+      every step; from 1 on, the next backward updates the scales),
     * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients,
 
     * ``gs/total/<layer>``: log2 of the accumulated scale its outgoing gradient carries (its own
@@ -144,6 +148,9 @@ class GradientScalingCallback(Callback):
         metrics = {f"gs/scale/{layer.name}": float(layer.log2_scale) for layer in layers}
         metrics.update({f"gs/total/{layer.name}": float(layer.log2_total) for layer in layers})
         metrics.update({f"gs/underflow/{layer.name}": layer.underflow_rate for layer in layers})
+        metrics.update({f"gs/underflow/{layer.name}/measured": layer.measured_underflow for layer in layers if layer.measured_underflow is not None})
+        if math.isfinite(scaler.drift.drift_log2):
+            metrics["gs/drift"] = scaler.drift.drift_log2
         metrics["gs/skipped_steps"] = float(scaler.skipped_steps)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

@@ -62,6 +62,9 @@ def test_csv_metrics_have_the_scales_at_every_nth_step_and_the_end(tmp_path: Pat
         assert float(rows[-1][f"gs/scale/{layer.name}"]) == layer.log2_scale
         assert float(rows[-1][f"gs/total/{layer.name}"]) == layer.log2_total
         assert float(rows[-1][f"gs/underflow/{layer.name}"]) == pytest.approx(layer.underflow_rate)
+        if layer.measured_underflow is not None:
+            assert float(rows[-1][f"gs/underflow/{layer.name}/measured"]) == pytest.approx(layer.measured_underflow)
+    assert any(row.get("gs/drift") for row in rows)
     assert sorted(callback.history) == sorted(callback.totals) == [2, 4, 5]
     assert callback.totals[5] == {layer.name: float(layer.log2_total) for layer in layers}
 

@@ -242,7 +242,7 @@ def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable
     from above it (the gradient it received was already non-finite). Of the GEMMs (or other nodes)
     whose weight gradients were non-finite, those with no such node above them are where it
     started; every node on the way from the loss to one of them that sent gradients at the scale
-    it received them at, or higher, gets a cap one bit below its own scale. Nodes in other
+    it received them at, or higher, gets a cap :data:`BACKOFF_BITS` below its own scale. Nodes in other
     branches keep theirs.
     """
     bad = {_consumer(plan.edges, analysis, j) for j in non_finite if j in analysis.leaf_sources}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -79,20 +80,30 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
         assert torch.isfinite(parameter.grad).all(), name
 
 
-def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> None:
-    """Two heads on one trunk; head b carries the largest scale. Head a's gradient overflows on an
-    iteration between updates: the step is skipped, and the next update lowers head a only."""
+def _two_heads() -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """Two heads on one trunk; head b's gradients are 1e-4 of head a's, so b carries the larger scale.
+
+    ``loss(blow_up, factor)``: head a's term times ``blow_up``, the whole loss times ``factor``.
+    """
     torch.manual_seed(0)
     model = nn.ModuleDict({"trunk": nn.Linear(16, 32), "a": nn.Linear(32, 4), "b": nn.Linear(32, 4)})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x, upstream_a, upstream_b = torch.randn(64, 16), torch.randn(64, 4) * 1e-2, torch.randn(64, 4) * 1e-6
-    scaler = GradientScaler(model, update_interval=100)
 
-    def loss(blow_up: float) -> torch.Tensor:
+    def loss(blow_up: float = 1.0, factor: float = 1.0) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.float16):
             hidden = torch.relu(model["trunk"](x))
-            return (model["a"](hidden).float() * upstream_a).sum() * blow_up + (model["b"](hidden).float() * upstream_b).sum()
+            heads = (model["a"](hidden).float() * upstream_a).sum() * blow_up + (model["b"](hidden).float() * upstream_b).sum()
+            return heads * factor
 
+    return model, loss
+
+
+def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> None:
+    """Head b carries the largest scale. Head a's gradient overflows on an iteration between
+    updates: the step is skipped, and the next update lowers head a only."""
+    model, loss = _two_heads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model, update_interval=100)
     assert _step(scaler, optimizer, loss(1.0)) and _step(scaler, optimizer, loss(1.0))  # an update, a replay
     before = {layer.name: layer.log2_total for layer in scaler.layers()}
     assert before["b"] > before["a"]  # a back-off of every layer's scale would lower b's
@@ -133,3 +144,23 @@ def test_fp32_gradients_are_bit_exact_on_drift_triggered_updates(case: str) -> N
         assert all(math.isnan(d) for d in drifts)
     else:
         assert drifts[0] == 0.0 and drifts[1] == pytest.approx(3.0) and drifts[2] == 0.0  # 0: an update's own
+
+
+def test_a_resumed_scaler_continues_as_the_uninterrupted_one() -> None:
+    """The drift reference, the recent growth and the per-layer caps are part of the state: a
+    scaler restored mid-run makes the same decisions (updates, caps) as one that never stopped."""
+    model, loss = _two_heads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    # head a overflows, then the gradients shrink and grow
+    iterations = [(1.0, 1.0), (1.0, 1.0), (1e8, 1.0), (1.0, 1.0), (1.0, 0.1), (1.0, 0.1), (1.0, 0.3), (1.0, 0.01)]
+    uninterrupted = GradientScaler(model, update_interval=100)
+    for blow_up, factor in iterations[:4]:
+        _step(uninterrupted, optimizer, loss(blow_up, factor))
+    resumed = GradientScaler(model, update_interval=100)
+    resumed.load_state_dict(uninterrupted.state_dict())
+    for blow_up, factor in iterations[4:]:
+        for scaler in (uninterrupted, resumed):
+            _step(scaler, optimizer, loss(blow_up, factor))
+        assert resumed.state_dict() == uninterrupted.state_dict()
+        assert resumed.drift == uninterrupted.drift
+    assert uninterrupted.state_dict()["drift"]["reference"] and uninterrupted.state_dict()["layer_backoff"]

@@ -3,13 +3,15 @@
 How it runs, in brief:
 
 * Every backward walks the new autograd graph (a few hundred nodes: well under a millisecond).
-* On an **update** iteration (the first, every ``update_interval``-th, after a skipped step, or
-  when the graph's structure changed) hooks decide every scale as autograd executes
+* On an **update** iteration (the first, after a skipped step, when the graph's structure
+  changed, when the gradients drifted a binade below the last update's, and at the latest every
+  ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
   at hand: that is the only host-device synchronisation.
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
-  (:mod:`~gs_lightning.scaling.plan`): no statistics, no synchronisation, and no hook at all where
-  the factor is 1.
+  (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
+  synchronisation of their own; the fused unscale of the weight gradients also takes their norms
+  (:mod:`~gs_lightning.scaling.drift`), which ``step()`` reads with its finiteness flags.
 * Gradients reaching a parameter are divided by the scale they carry in the parameter's own
   precision (fp32 master weights): after the backward, in one fused kernel per device and dtype,
   where nothing can observe ``.grad`` in between; otherwise (DDP, accumulation into an existing
@@ -104,7 +106,8 @@ class GradientScaler:
             skipped step restore the model's buffers (BatchNorm running statistics), which the
             skipped iteration's forward already changed.
         underflow_rate: γ', the target fraction of a gradient's elements that may underflow.
-        update_interval: Recompute the scales every this many backward passes (the paper: 100).
+        update_interval: Recompute the scales at least every this many backward passes (the
+            paper's fixed period: 100); sooner when the gradients drift (:attr:`drift`).
         dtype: The low-precision format whose range the scales protect.
         lambda_min: Which λmin the underflow model uses: ``"normal"``, the smallest normal number
             (values below it keep fewer significant bits), or ``"subnormal"``, the smallest

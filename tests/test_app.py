@@ -336,15 +336,18 @@ def _demo_like(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
 
 def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A demo-like run of 3 epochs (9 steps), resumed from its last.ckpt with max_epochs=4 or
-    max_steps=12, trains exactly epoch 3 and ends bit-identical to a run of 4 epochs; resumed with
-    the limits it already reached, it trains nothing and says so."""
+    max_steps=12, trains exactly epoch 3 and ends bit-identical to a run of 4 epochs, as does a run
+    that stopped in the middle of epoch 2 (max_steps=7); resumed with the limits it already
+    reached, a run trains nothing and says so."""
     straight = run(_demo_like(tmp_path / "straight", tmp_path, "trainer.max_epochs=4"))
     run(_demo_like(tmp_path / "first", tmp_path, "trainer.max_epochs=3"))
     first = tmp_path / "first" / "checkpoints" / "last.ckpt"
     final = _weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    for limit in ("trainer.max_epochs=4", "trainer.max_steps=12"):
-        out = tmp_path / limit.split("=")[0]
-        metrics = run(_demo_like(out, tmp_path, limit, f"ckpt_path={first}"))
+    run(_demo_like(tmp_path / "mid_epoch", tmp_path, "trainer.max_steps=7"))
+    mid_epoch = tmp_path / "mid_epoch" / "checkpoints" / "last.ckpt"
+    for checkpoint, limit in ((first, "trainer.max_epochs=4"), (first, "trainer.max_steps=12"), (mid_epoch, "trainer.max_steps=12")):
+        out = tmp_path / f"{checkpoint.parents[1].name}-{limit.replace('=', '_')}"
+        metrics = run(_demo_like(out, tmp_path, limit, f"ckpt_path={checkpoint}"))
         resumed = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
         assert (resumed["global_step"], resumed["epoch"]) == (12, 4), limit
         assert all(torch.equal(final[k], resumed["state_dict"][k]) for k in final), limit

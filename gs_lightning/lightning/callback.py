@@ -189,21 +189,12 @@ class RandomStateCallback(Callback):
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
+        self._epoch_start: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        _, keys, position, has_gauss, cached_gaussian = np.random.get_state()  # ("MT19937", ...)
-        state: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "numpy": {
-                "keys": torch.from_numpy(keys.astype(np.int64)),
-                "position": int(position),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached_gaussian),
-            },
-            "python": random.getstate(),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        state = _random_states()
+        if self._epoch_start is not None:
+            state["epoch_start"] = self._epoch_start
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -213,14 +204,51 @@ class RandomStateCallback(Callback):
         if self._pending is None:
             return
         state, self._pending = self._pending, None
-        torch.set_rng_state(state["torch"])
-        numpy = state["numpy"]
-        keys = numpy["keys"].numpy().astype(np.uint32)
-        np.random.set_state(("MT19937", keys, numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
-        version, internal, gauss_next = state["python"]
-        random.setstate((version, tuple(internal), gauss_next))
-        if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        _set_random_states(state)
+        self._epoch_start = state.get("epoch_start")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The states before the epoch's loader iterator is made (by the epoch loop; in a fit's first
+        # epoch by ResumeCallback): a resume in the middle of the epoch replays it from them.
+        self._epoch_start = _random_states()
+
+    def restore_epoch_start(self) -> bool:
+        """Set the generators to their states at the start of the current epoch (those of a checkpoint
+        being resumed); return whether there were any."""
+        self.on_train_start(None, None)  # type: ignore[arg-type]  # the checkpoint's states first, if not yet
+        if self._epoch_start is None:
+            return False
+        _set_random_states(self._epoch_start)
+        return True
+
+
+def _random_states() -> dict[str, Any]:
+    """torch's, numpy's and Python's generator states (and CUDA's once in use), as tensors and plain values."""
+    _, keys, position, has_gauss, cached_gaussian = np.random.get_state()  # ("MT19937", ...)
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_random_states(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy = state["numpy"]
+    keys = numpy["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class ResumeCallback(Callback):
@@ -237,9 +265,15 @@ class ResumeCallback(Callback):
       epoch, which Lightning resumes as a mid-epoch restart;
     * when training starts from a finished epoch, the loops are told there is nothing to restart,
       so the next epoch starts as it does in an uninterrupted run;
+    * when it starts in the middle of an epoch, the epoch's loader is replayed up to the batch the
+      checkpoint had reached: same order, and, when batches are loaded in the main process, the
+      random states of the epoch's start (from :class:`RandomStateCallback`), so random
+      augmentation draws the same numbers again. That is exact when the model itself draws no
+      random numbers (no dropout) or when the loader's workers do the augmenting;
     * at every epoch start the training samplers are numbered by ``trainer.current_epoch`` and, in
-      the first epoch after resuming, the loader's iterator is made again: Lightning made it before
-      the sampler's epoch was set and the random states were restored (:class:`RandomStateCallback`).
+      the first epoch of a fit (fresh or resumed), the loader's iterator is made again: Lightning
+      made it before the sampler's epoch was set and the random states were restored
+      (:class:`RandomStateCallback`), where the epoch loop makes it for every later epoch.
 
     Checkpoints also record the recipe that wrote them, so that resuming another recipe's can say so.
 
@@ -263,12 +297,29 @@ class ResumeCallback(Callback):
         if self._resumed_finished_epoch:
             self._resumed_finished_epoch = False
             _stop_restarting(trainer.fit_loop)
+        elif trainer.fit_loop.restarting and trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0:
+            self._replay_epoch(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+    def _replay_epoch(self, trainer: pl.Trainer, batches: int) -> None:
+        """Load the resumed epoch's first ``batches`` batches again (and drop them), as the interrupted run did."""
+        apply_to_collection(trainer.train_dataloader, DataLoader, _set_sampler_epoch, trainer.current_epoch)
+        loaders: list[DataLoader] = []
+        apply_to_collection(trainer.train_dataloader, DataLoader, loaders.append)
+        if all(loader.num_workers == 0 for loader in loaders):
+            for callback in trainer.callbacks:
+                if isinstance(callback, RandomStateCallback):
+                    callback.restore_epoch_start()
+        fetcher = trainer.fit_loop._data_fetcher
+        iter(fetcher)
+        for _ in range(batches):
+            next(fetcher)
+        fetcher.fetched -= batches  # the epoch loop counts the batches the checkpoint had reached itself
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning numbers the samplers' epochs by its count of processed epochs, which can run one
         # ahead of ``current_epoch`` after a resume: the run would shuffle as the epoch after.
         apply_to_collection(trainer.train_dataloader, DataLoader, _set_sampler_epoch, trainer.current_epoch)
-        if trainer.fit_loop.is_resuming:  # the epoch loop makes it itself at every other epoch start
+        if trainer.current_epoch == 0 or trainer.fit_loop.is_resuming:  # the epoch loop makes it for the others
             iter(trainer.fit_loop._data_fetcher)
 
 

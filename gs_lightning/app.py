@@ -97,9 +97,10 @@ def build(cfg: DictConfig) -> Run:
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Fit and test the recipe; return the final metrics, which hold ``cfg.optimized_metric``.
+    """Fit and test the recipe; return the final metrics, which hold ``cfg.optimized_metric``
+    (none when ``ckpt_path``'s run already reached the limits: nothing is trained, a line says so).
 
-    Bad input exits with one line on stderr.
+    Bad input, a checkpoint that cannot be resumed included, exits with one line on stderr.
     """
     _quiet_lightning()
     try:

@@ -201,11 +201,7 @@ class RandomStateCallback(Callback):
         self._pending = state_dict
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending is None:
-            return
-        state, self._pending = self._pending, None
-        _set_random_states(state)
-        self._epoch_start = state.get("epoch_start")
+        self._restore_pending()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The states before the epoch's loader iterator is made (by the epoch loop; in a fit's first
@@ -215,11 +211,19 @@ class RandomStateCallback(Callback):
     def restore_epoch_start(self) -> bool:
         """Set the generators to their states at the start of the current epoch (those of a checkpoint
         being resumed); return whether there were any."""
-        self.on_train_start(None, None)  # type: ignore[arg-type]  # the checkpoint's states first, if not yet
+        self._restore_pending()  # whichever of the two callbacks' on_train_start runs first
         if self._epoch_start is None:
             return False
         _set_random_states(self._epoch_start)
         return True
+
+    def _restore_pending(self) -> None:
+        """The states of the checkpoint being resumed, once."""
+        if self._pending is None:
+            return
+        state, self._pending = self._pending, None
+        _set_random_states(state)
+        self._epoch_start = state.get("epoch_start")
 
 
 def _random_states() -> dict[str, Any]:

@@ -210,7 +210,7 @@ def _check_resume(path: Path, built: Run) -> str | None:
         return None
     return (
         f"Nothing to train: the run of ckpt_path={path} already reached {' and '.join(limits)} (step {step}, "
-        f"{epochs} epochs); raise them to train longer (its test metrics are in that run's log)"
+        f"{epochs} epochs); give a larger limit to train longer (its test metrics are in that run's log)"
     )
 
 

@@ -193,7 +193,8 @@ def _check_resume(path: Path, built: Run) -> str | None:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except _UNREADABLE as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # torch's first sentence names the fault; the rest is advice on how files get corrupted.
+        reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else type(error).__name__
         raise AppError(f"ckpt_path={path}: not a readable checkpoint, the file is truncated or corrupt ({reason})") from error
     if not isinstance(checkpoint, dict) or not {"state_dict", "loops"} <= checkpoint.keys():
         raise AppError(f"ckpt_path={path}: a torch file but not a Lightning checkpoint (no 'state_dict' and 'loops'); expected a train.py run's last.ckpt")

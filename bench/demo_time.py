@@ -1,7 +1,9 @@
 """Wall-clock time of the demo (`python train.py`) with emulated and with real fp16 on this CPU.
 
 Runs `train.py` as a user does, alternating the legs round by round so that a load that comes and
-goes (a shared machine) falls on all of them, and prints each leg's times and median:
+goes (a shared machine) falls on all of them, and prints each leg's wall-clock and CPU times
+(user + system, of the run and its children: what a shared machine's load changes least) and
+their medians:
 
 * ``emulated``: the whole demo with ``precision.emulate=true`` (what ``auto`` picks on a CPU),
 * ``emulated-<N>`` and ``real-<N>``: the demo cut to its first N steps, emulated and real fp16
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,17 +40,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def train(overrides: list[str], run_dir: Path, env: dict[str, str]) -> float:
-    """Seconds one `python train.py ...` takes; fails loudly if the run fails."""
-    start = time.perf_counter()
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def train(overrides: list[str], run_dir: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one `python train.py ...`; fails loudly if the run fails."""
+    start, cpu_start = time.perf_counter(), _children_cpu_seconds()
     result = subprocess.run(
         [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "++trainer.enable_progress_bar=false", *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, _children_cpu_seconds() - cpu_start
     if result.returncode != 0:
         raise SystemExit(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-3000:]}")
-    return elapsed
+    return elapsed, cpu
 
 
 def main() -> None:
@@ -64,15 +72,20 @@ def main() -> None:
             f"emulated-{args.steps}": ["precision.emulate=true", f"trainer.max_steps={args.steps}"],
             f"real-{args.steps}": ["precision.emulate=false", f"trainer.max_steps={args.steps}"],
         }
-        times: dict[str, list[float]] = {leg: [] for leg in legs}
+        times: dict[str, list[tuple[float, float]]] = {leg: [] for leg in legs}
         for round_index in range(args.rounds):
             for leg, overrides in legs.items():
                 times[leg].append(train(overrides, Path(scratch) / f"{leg}-{round_index}", env))
-                print(f"round {round_index}: {leg:<14} {times[leg][-1]:7.1f} s", flush=True)
+                wall, cpu = times[leg][-1]
+                print(f"round {round_index}: {leg:<14} {wall:7.1f} s wall {cpu:7.1f} s CPU", flush=True)
 
     print(f"\nCPU: {cpu_model()}, {os.cpu_count()} logical cores; {time.strftime('%Y-%m-%d')}")
-    for leg, seconds in times.items():
-        print(f"{leg:<14} median {statistics.median(seconds):7.1f} s   runs: {', '.join(f'{s:.1f}' for s in seconds)}")
+    for leg, runs in times.items():
+        walls, cpus = zip(*runs)
+        print(
+            f"{leg:<14} median {statistics.median(walls):7.1f} s wall, {statistics.median(cpus):7.1f} s CPU   "
+            f"runs (wall/CPU): {', '.join(f'{w:.1f}/{c:.1f}' for w, c in runs)}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ in the one synchronisation ``step()`` already makes for its found-inf flag.
 * **Drift.** The scales an update chose are the smallest that meet γ' for the gradients of that
   iteration. When the gradients of a scale group (the weight gradients that carry one
   accumulated scale) shrink by a binade, the underflow rate of what that group's layers send on
-  roughly doubles; when they grow by a binade, half of the headroom to overflow is gone. Either
-  way :class:`GradientDrift` asks for an update on the next backward, so ``update_interval`` is
-  the longest interval, not a fixed period.
+  roughly doubles: :class:`GradientDrift` asks for an update on the next backward, so
+  ``update_interval`` is the longest interval, not a fixed period. How far they grew instead is
+  kept as the headroom below overflow the next update leaves (:attr:`GradientDrift.headroom_log2`).
 * **Overflow.** A non-finite norm names the parameters whose gradient overflowed; with the
   plan's scales :func:`overflow_caps` lowers only the layers that produced it
   (:class:`LayerBackoff`).
@@ -46,8 +46,9 @@ class DriftReading:
     """What the norms read at a step say.
 
     Attributes:
-        drift_log2: The largest |log2(norm / norm at the update)| over the scale groups (0 on an
-            update iteration, NaN when nothing was comparable).
+        drift_log2: The most binades a scale group's gradient norm fell below its norm at the
+            update (negative when every group grew; 0 on an update iteration, NaN when nothing
+            was comparable, inf when a group's gradients became all zeros or non-finite).
         non_finite: Leaf indices (in the loss's graph) whose gradient holds inf or NaN.
         measured: Leaf indices whose gradient norms were read.
     """
@@ -154,10 +155,10 @@ class GradientDrift:
 
 def _shrink_log2(norm: float, reference: float) -> float:
     """How many binades a group's norm fell below its reference (negative: it grew)."""
-    if not math.isfinite(norm) or norm == reference:
-        return math.inf if not math.isfinite(norm) else 0.0
-    if norm <= 0.0 or reference <= 0.0:
-        return math.inf if norm <= 0.0 else -math.inf  # all zeros now (or at the update)
+    if not math.isfinite(norm) or norm <= 0.0:
+        return math.inf if norm != reference else 0.0  # non-finite, or all zeros now
+    if reference <= 0.0:
+        return -math.inf  # all zeros at the update
     return math.log2(reference / norm)
 
 

@@ -16,6 +16,7 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.drift import MAX_HEADROOM_LOG2, DriftReading, GradientDrift, LayerBackoff
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
@@ -164,3 +165,37 @@ def test_a_resumed_scaler_continues_as_the_uninterrupted_one() -> None:
         assert resumed.state_dict() == uninterrupted.state_dict()
         assert resumed.drift == uninterrupted.drift
     assert uninterrupted.state_dict()["drift"]["reference"] and uninterrupted.state_dict()["layer_backoff"]
+
+
+def test_the_drift_reading_triggers_on_shrinkage_and_keeps_growth_as_headroom() -> None:
+    drift = GradientDrift(window=3)
+    norms = [torch.ones(4), torch.ones(2)]
+
+    def read(values: list[float], update: bool = False) -> DriftReading:
+        drift.measure(5, (1, 2), norms, update)
+        return drift.read(values)
+
+    assert read([3.0, 4.0], update=True).drift_log2 == 0.0  # the reference: norm 5
+    grown = read([12.0, 16.0])  # 4× the update's
+    assert grown.drift_log2 == pytest.approx(-2.0) and not grown.drifted and drift.headroom_log2 == pytest.approx(2.0)
+    shrunk = read([1.5, 2.0])  # half
+    assert shrunk.drifted and shrunk.drift_log2 == pytest.approx(1.0)
+    assert read([3.0 * 2**9, 4.0 * 2**9]).drift_log2 == pytest.approx(-9.0) and drift.headroom_log2 == MAX_HEADROOM_LOG2
+    for _ in range(3):  # the window forgets
+        read([3.0, 4.0])
+    assert drift.headroom_log2 == 0.0
+    overflowed = read([math.inf, 4.0])
+    assert overflowed.drifted and overflowed.non_finite == {1} and overflowed.some_overflowed
+
+
+def test_per_layer_caps_relax_by_iterations_not_by_updates() -> None:
+    backoff = LayerBackoff()
+    backoff.lower({3: 10, 4: 12}, iteration=5, floor=-64)
+    backoff.lower({3: 11}, iteration=6, floor=-64)  # a lower cap already there stays
+    assert backoff.node_caps() == {3: 10, 4: 12}
+    backoff.relax({3: 10, 4: 12}, iteration=50, interval=100)  # updates the drift triggered: nothing relaxes
+    assert backoff.node_caps() == {3: 10, 4: 12}
+    backoff.relax({3: 10, 4: 12}, iteration=106, interval=100)
+    assert backoff.node_caps() == {3: 11, 4: 13}
+    backoff.relax({3: 5, 4: 13}, iteration=206, interval=100)  # node 3's no longer binds
+    assert backoff.node_caps() == {4: 14}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -245,7 +246,7 @@ def log2_scales(trainer: Any) -> dict[str, float] | None:
         scale = trainer.scale
     else:
         return None
-    return {g: float(torch.tensor(scale).log2()) for g in GROUPS}
+    return {g: math.log2(scale) for g in GROUPS}
 
 
 # --- the task and its runs ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.graph import (
     GEMM_OPERANDS,
     RNN_NODES,
@@ -108,6 +109,13 @@ Warn = Callable[[str, str], None]
 # gradients measured 2^1.4 (MLP), 2^3.0 (ResNet-18) and 2^10.4 (SegNet-basic on 0-255 pixels)
 # above the gradient entering it, compiled with torch.compile).
 OPAQUE_PROBE_HEADROOM_LOG2 = 12
+
+# The overflow bounds an update decides on are tight (a bias gradient's is exact), and its scales
+# are replayed until the next update while the weights move. Every bound keeps this many binades of
+# headroom, so a gradient may grow 2x before a replay overflows (GPT-2's c_proj bias gradients
+# overflowed replays one SGD step after an update without it). What it costs in underflow, where
+# an overflow bound decides the scale: README_issue19.md.
+REPLAY_HEADROOM_LOG2 = 1
 
 
 class UpdateRun:
@@ -252,21 +260,29 @@ class UpdateRun:
         if self._arrived[slot] < self.graph.in_counts[slot]:
             return None
         parts = self._stash.pop(slot, [])
-        common = self.slot_alpha[slot] = self._common(parts) if parts else alpha
+        common = self.slot_alpha[slot] = self._common(parts, summed=True) if parts else alpha
         total = None
         for part, a in parts:  # in arrival order, as autograd itself would sum them
             term = times_pow2(part, common - a)
             total = term if total is None else total + term
         return total
 
-    def _common(self, parts: list[tuple[torch.Tensor, int]]) -> int:
-        """Algorithm 1, line 17: one scale for gradients that carry different ones."""
+    def _common(self, parts: list[tuple[torch.Tensor, int]], summed: bool = False) -> int:
+        """Algorithm 1, line 17: one scale for gradients that carry different ones.
+
+        ``summed``: the parts are added (a branch), so the bound is on their sum, Σ max|∇X_i| / α_i,
+        not on each part; it is checked even when they share a scale if the sum is taken in a low
+        precision, where it can overflow though every part is finite (a weight used three times
+        under autocast). Either bound keeps :data:`REPLAY_HEADROOM_LOG2`.
+        """
         alphas = [a for _, a in parts]
-        if len(set(alphas)) == 1:
+        low_precision_sum = summed and len(parts) > 1 and any(g.dtype in FORMATS for g, _ in parts)
+        if len(set(alphas)) == 1 and not low_precision_sum:
             return alphas[0]
         maxima = stats(*(absmax(g) for g, _ in parts))
-        largest = max(m * 2.0**-a for m, a in zip(maxima, alphas))
-        return self._capped(branch_log2_scale(alphas, largest, self.settings.lambda_max))
+        true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
+        largest = sum(true_maxima) if summed else max(true_maxima)
+        return self._capped(branch_log2_scale(alphas, largest * 2.0**REPLAY_HEADROOM_LOG2, self.settings.lambda_max))
 
     def _capped(self, exponent: int) -> int:
         cap = self.settings.total_cap
@@ -308,7 +324,7 @@ class UpdateRun:
             ]
             + [overflow_max_log2_scale(bound, s.lambda_max) for bound in weight_stats]
         )
-        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
+        beta = choose_log2_scale(lower, upper - REPLAY_HEADROOM_LOG2, self._ceiling(alpha))
         rate = max(
             [gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
             + [sample_underflow_rate(v, beta, s.lambda_min) for v in samples]
@@ -381,7 +397,7 @@ class UpdateRun:
             return self._non_finite(i, kind, alpha)
         lower = max(sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples)
         upper = min(overflow_max_log2_scale(m, s.lambda_max) for m in (grad_max, *sample_max))
-        beta = choose_log2_scale(lower, upper, self._ceiling(alpha))
+        beta = choose_log2_scale(lower, upper - REPLAY_HEADROOM_LOG2, self._ceiling(alpha))
         rate = max(sample_underflow_rate(v, beta, s.lambda_min) for v in samples)
         self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate))
         return beta

@@ -305,7 +305,9 @@ class UpdateRun:
         operand_of = GEMM_OPERANDS[name]
         operands = [(k, operand_of[k](self.graph, i, grad)) for k in self.analysis.gemms[i]]
         operands = [(k, op) for k, op in operands if op.operand is not None]
-        if not operands:  # the first layer (no activation gradient leaves it), or operands unreadable
+        if not operands and self.analysis.gemms[i]:  # operands unreadable (two activations under checkpointing)
+            return self._non_finite(i, "gemm", alpha)
+        if not operands:  # the first layer: no activation gradient leaves it
             return 0
         node = self.graph.nodes[i]
         samples = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
@@ -390,7 +392,7 @@ class UpdateRun:
         return alpha_in + beta
 
     def _non_finite(self, i: int, kind: str, alpha: int) -> int:
-        """No decision (no finite statistics to decide on): the scale passes through."""
+        """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""
         self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, alpha, math.nan))
         return 0
 

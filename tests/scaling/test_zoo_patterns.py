@@ -303,3 +303,50 @@ def test_fp32_gradients_differ_only_through_subnormals_and_are_then_closer_to_fp
         loss(factor, reference, x.double()).backward()
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
             assert (scaled[name].double() - r.grad).norm() <= (plain[name].double() - r.grad).norm(), name
+
+
+# --- Item 4: non-reentrant checkpointing -----------------------------------------------------
+
+
+class BertAttention(nn.Module):
+    """BERT's self-attention written with ``matmul`` (two ``bmm``s whose operands are both activations)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, length, dim = x.shape
+        q, k, v = self.qkv(x).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        probs = torch.softmax(q @ k.transpose(-1, -2) / (dim // self.heads) ** 0.5, dim=-1)
+        return x + self.out((probs @ v).transpose(1, 2).reshape(n, length, dim))
+
+
+def test_checkpointed_attention_keeps_its_layers_and_says_what_it_could_not_read() -> None:
+    """Under non-reentrant checkpointing, ``layers()`` names what the unchecked model names. GEMMs with a
+    parameter operand decide as unchecked; the attention ``bmm``s (both operands activations, unreadable)
+    pass their scale through, reported with scale 1 and a NaN rate (README_issue19.md)."""
+    x, y = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)), torch.arange(10) % 4
+    layers = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        attention, head = BertAttention(), nn.Linear(16, 4)
+        model = nn.ModuleDict({"attention": attention, "head": head})
+
+        def loss() -> torch.Tensor:
+            h = checkpoint(attention, x, use_reentrant=False) if checkpointed else attention(x)
+            return F.cross_entropy(head(h).flatten(0, 1), y)
+
+        plain = _plain_grads(model, loss)
+        scaler = GradientScaler(model)
+        scaler.backward(loss())
+        assert all(torch.equal(g, plain[n]) for n, g in _grads(model).items())
+        layers[checkpointed] = {layer.name: layer for layer in scaler.layers()}
+    assert layers[True].keys() == layers[False].keys() and {"Bmm", "Bmm#2"} <= layers[True].keys()
+    for name, layer in layers[True].items():
+        if name.startswith("Bmm"):
+            assert layer.log2_scale == 0 and layer.underflow_rate != layer.underflow_rate
+        else:
+            assert layer.log2_scale == layers[False][name].log2_scale, name

@@ -238,7 +238,7 @@ def _deform_convolution(
     (b,) = _counts([inputs.shape[0]], max(1, elements // max(1, inputs[0].numel())))
     bi = _spread(inputs.shape[0], b, grad.device)
     grad_input, *_ = torch.ops.torchvision._deform_conv2d_backward(
-        grad[bi], inputs[bi], weight, offset[bi], mask[bi] if node.use_mask else mask, bias,
+        grad[bi], inputs[bi], weight, offset[bi], mask[bi], bias,
         node.stride_h, node.stride_w, node.pad_h, node.pad_w, node.dilation_h, node.dilation_w,
         node.groups, node.offset_groups, node.use_mask,
     )  # fmt: skip

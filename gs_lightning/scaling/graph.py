@@ -151,7 +151,8 @@ def _parameter_as_saved(graph: AutogradGraph, i: int, edge: int, dtype: torch.dt
         return None
     transposes, node = 0, target[0]
     while graph.names[node] != LEAF:
-        transposes += graph.names[node] in ("TBackward0", "TransposeBackward0", "PermuteBackward0")
+        name = graph.names[node]
+        transposes += name in ("TBackward0", "TransposeBackward0") or (name == "PermuteBackward0" and tuple(graph.nodes[node]._saved_dims) == (1, 0))
         node = next(e for e in graph.edges[node] if e is not None)[0]
     weight = weight.t() if transposes % 2 else weight
     return weight if tuple(weight.shape) == tuple(shape) else None

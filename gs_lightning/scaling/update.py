@@ -117,7 +117,7 @@ OPAQUE_PROBE_HEADROOM_LOG2 = 12
 # an overflow bound decides the scale: README_issue19.md.
 REPLAY_HEADROOM_LOG2 = 1
 
-# Accumulated scales stay within 2^±MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
+# Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
 # number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
 # NaN). Gradients needing more lie far below every low-precision format's range anyway.

@@ -569,7 +569,7 @@ class GradientScaler:
             lambda_max=self.format.max,
             relu_factor=self.relu_factor,
             layer_cap=_log2_floor(self.max_layer_scale),
-            total_cap=min(caps),
+            total_cap=min(caps) if caps else None,
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

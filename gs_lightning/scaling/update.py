@@ -103,13 +103,6 @@ def absmax(t: torch.Tensor) -> torch.Tensor:
 
 Warn = Callable[[str, str], None]
 
-# An opaque region (custom autograd Function, compiled region) is scaled as one unit. Its update
-# iteration runs it at a probe scale that leaves the gradient entering it this many binades below
-# λmax: room for its gradients to grow inside it, where nothing can be measured (its weight
-# gradients measured 2^1.4 (MLP), 2^3.0 (ResNet-18) and 2^10.4 (SegNet-basic on 0-255 pixels)
-# above the gradient entering it, compiled with torch.compile).
-OPAQUE_PROBE_HEADROOM_LOG2 = 12
-
 # The overflow bounds an update decides on are tight (a bias gradient's is exact), and its scales
 # are replayed until the next update while the weights move. Every bound keeps this many binades of
 # headroom, so a gradient may grow 2x before a replay overflows (GPT-2's c_proj bias gradients
@@ -122,6 +115,13 @@ REPLAY_HEADROOM_LOG2 = 1
 # number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
 # NaN). Gradients needing more lie far below every low-precision format's range anyway.
 MAX_LOG2_TOTAL = 100
+
+# An opaque region (custom autograd Function, compiled region) is scaled as one unit. Its update
+# iteration runs it at a probe scale that leaves the gradient entering it this many binades below
+# λmax: room for its gradients to grow inside it, where nothing can be measured (its weight
+# gradients measured 2^1.4 (MLP), 2^3.0 (ResNet-18) and 2^10.4 (SegNet-basic on 0-255 pixels)
+# above the gradient entering it, compiled with torch.compile).
+OPAQUE_PROBE_HEADROOM_LOG2 = 12
 
 
 class UpdateRun:

@@ -73,6 +73,23 @@ def walk(root: Node) -> AutogradGraph:
 # --- Operators -------------------------------------------------------------------------------
 
 
+def saved_function_tensor(node: Node, index: int) -> torch.Tensor | None:
+    """The ``index``-th tensor a Python-defined backward (``ctx.save_for_backward``) saved, as :func:`saved_tensor`."""
+    raw = getattr(node, "_raw_saved_tensors", None)
+    if raw is None or index >= len(raw) or any(r.unpack_hook is not None for r in raw):
+        return None
+    return node.saved_tensors[index]
+
+
+# torchvision's operators with autograd formulas (``torch.library.register_autograd``: custom
+# Functions to the walk), known by name. RoI pooling is linear in its gradient: a pass-through.
+# ``deform_conv2d`` is a convolution: a GEMM decision point (``GEMM_OPERANDS``, ``probes.py``).
+TORCHVISION_PASS_THROUGH = frozenset(
+    f"GeneratedBackwardFor_torchvision_{op}_defaultBackward" for op in ("roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool")
+)
+DEFORM_CONV = "GeneratedBackwardFor_torchvision_deform_conv2d_defaultBackward"
+
+
 def saved_tensor(node: Node, name: str) -> torch.Tensor | None:
     """The tensor ``node`` saved as ``name`` (e.g. ``"weight"``), or ``None`` if reading it could harm.
 
@@ -121,13 +138,45 @@ def _conv_input(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand
     return GemmOperand(weight.shape[0] // node._saved_groups * overlap, weight)
 
 
+def _parameter_as_saved(graph: AutogradGraph, i: int, edge: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The parameter behind a matrix operand that cannot be read (checkpointing), laid out as the node saw it.
+
+    The layout comes from the node, not from the module: transposed once per transpose on the
+    path to the parameter (``Linear``'s weight reaches ``addmm`` as ``W.t()``; GPT-2's ``Conv1D``
+    stores its weight (in, out) and passes it as it is); ``None`` unless the shape then fits.
+    """
+    target = graph.edges[i][edge]
+    weight = _parameter_operand(graph, i, edge, dtype)
+    if target is None or weight is None or weight.dim() != 2:
+        return None
+    transposes, node = 0, target[0]
+    while graph.names[node] != LEAF:
+        name = graph.names[node]
+        transposes += name in ("TBackward0", "TransposeBackward0") or (name == "PermuteBackward0" and tuple(graph.nodes[node]._saved_dims) == (1, 0))
+        node = next(e for e in graph.edges[node] if e is not None)[0]
+    weight = weight.t() if transposes % 2 else weight
+    return weight if tuple(weight.shape) == tuple(shape) else None
+
+
 def _addmm_mat1(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand:
     node = graph.nodes[i]
     mat2 = saved_tensor(node, "mat2")
-    if mat2 is None:  # Linear: mat2 is the weight, transposed
-        weight = _parameter_operand(graph, i, 2, grad.dtype)
-        mat2 = weight.t() if weight is not None and weight.dim() == 2 else None
+    if mat2 is None:
+        mat2 = _parameter_as_saved(graph, i, 2, grad.dtype, tuple(node._saved_mat2_sym_sizes))
     return GemmOperand(node._saved_mat2_sym_sizes[1], mat2)
+
+
+def _deform_conv_input(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand:
+    """torchvision's ``deform_conv2d``: ∇input = a convolution's ∇X, each element taken from Πk sampled positions."""
+    node = graph.nodes[i]
+    weight = saved_function_tensor(node, 1)
+    if weight is None:
+        weight = _parameter_operand(graph, i, 1, grad.dtype)
+    if weight is None:
+        return GemmOperand(math.nan, None)
+    kernel = weight.shape[2:]
+    overlap = math.prod(max(1.0, k / s) for k, s in zip(kernel, (node.stride_h, node.stride_w)))
+    return GemmOperand(weight.shape[0] // node.groups * overlap, weight)
 
 
 def _saved_operand(name: str, length: Callable[[torch.Tensor], int]) -> Callable[[AutogradGraph, int, torch.Tensor], GemmOperand]:
@@ -146,6 +195,7 @@ GEMM_OPERANDS: dict[str, dict[int, Callable[[AutogradGraph, int, torch.Tensor], 
     "MmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
     "BmmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
     "BaddbmmBackward0": {1: _saved_operand("batch2", lambda t: t.shape[-1]), 2: _saved_operand("batch1", lambda t: t.shape[-2])},
+    DEFORM_CONV: {0: _deform_conv_input},
 }
 
 def _channel_norm_max(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
@@ -319,7 +369,7 @@ def _is_cast(graph: AutogradGraph, i: int) -> bool:
 
 def _is_opaque(node: Node, name: str) -> bool:
     """A node whose backward runs code this walk cannot see: a custom Function or a compiled region."""
-    if name == JOIN_OUTPUTS:
+    if name == JOIN_OUTPUTS or name in TORCHVISION_PASS_THROUGH:
         return False
     return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 

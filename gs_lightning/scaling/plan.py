@@ -57,8 +57,23 @@ def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: int, slot_alpha: 
 
 
 def times_pow2(grad: torch.Tensor | None, exponent: int) -> torch.Tensor | None:
-    """``grad · 2^exponent`` (exact in binary floating point, barring under/overflow)."""
-    return grad * (2.0**exponent) if exponent and grad is not None else grad
+    """``grad · 2^exponent`` (exact in binary floating point, barring under/overflow), laid out as ``grad``."""
+    return times_factor(grad, 2.0**exponent) if exponent and grad is not None else grad
+
+
+def times_factor(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    """``grad · factor`` with ``grad``'s strides, so that what reads it next sums in the same order.
+
+    A gradient that is a view (a slice of a concatenated head output's gradient, an expanded
+    sum's) is not dense; a plain product would be, and a reduction over it (a bias gradient)
+    would then sum in another order than it does over the unscaled gradient. The product runs
+    over the memory span the view covers, and the result views that span as ``grad`` does.
+    """
+    if grad.layout != torch.strided or grad.is_contiguous() or grad.numel() == 0:
+        return grad * factor
+    span = 1 + sum((size - 1) * stride for size, stride in zip(grad.shape, grad.stride()))
+    flat = grad.as_strided((span,), (1,), grad.storage_offset())
+    return (flat * factor).as_strided(grad.shape, grad.stride())
 
 
 def _factor_hook(factors: tuple[float | None, ...]) -> Callable[[tuple], tuple]:
@@ -73,12 +88,12 @@ def _factor_hook(factors: tuple[float | None, ...]) -> Callable[[tuple], tuple]:
 
         def scale_one(grads: tuple) -> tuple:
             grad = grads[k] if k < len(grads) else None
-            return grads if grad is None else (*grads[:k], grad * factor, *grads[k + 1 :])
+            return grads if grad is None else (*grads[:k], times_factor(grad, factor), *grads[k + 1 :])
 
         return scale_one
 
     def scale_each(grads: tuple) -> tuple:
-        return tuple(g if f is None or g is None else g * f for g, f in zip_longest(grads, factors))
+        return tuple(g if f is None or g is None else times_factor(g, f) for g, f in zip_longest(grads, factors))
 
     return scale_each
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import Node
 
-from gs_lightning.scaling.graph import ATTENTION_NODES, RNN_NODES, saved_tensor
+from gs_lightning.scaling.graph import ATTENTION_NODES, DEFORM_CONV, RNN_NODES, saved_function_tensor, saved_tensor
 
 # Upper bound on the number of values a probe returns.
 PROBE_ELEMENTS = 2**16
@@ -224,6 +224,25 @@ def _convolution(
         )
         blocks.append(grad_input)
     return blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks])
+
+
+def _deform_convolution(
+    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
+) -> torch.Tensor | None:
+    """∇input of torchvision's ``deform_conv2d`` for a strided subset of batch elements (torchvision's own backward, in fp32)."""
+    saved = [saved_function_tensor(node, k) for k in range(5)]  # input, weight, offset, mask, bias
+    if edge != 0 or any(t is None for t in saved):
+        return None
+    inputs, weight, offset, mask, bias = (_float(t) for t in saved)
+    weight = _float(operand) if operand is not None else weight
+    (b,) = _counts([inputs.shape[0]], max(1, elements // max(1, inputs[0].numel())))
+    bi = _spread(inputs.shape[0], b, grad.device)
+    grad_input, *_ = torch.ops.torchvision._deform_conv2d_backward(
+        grad[bi], inputs[bi], weight, offset[bi], mask[bi], bias,
+        node.stride_h, node.stride_w, node.pad_h, node.pad_w, node.dilation_h, node.dilation_w,
+        node.groups, node.offset_groups, node.use_mask,
+    )  # fmt: skip
+    return grad_input
 
 
 # --- Fused attention ---------------------------------------------------------------------------
@@ -481,6 +500,7 @@ _PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None, int],
     "BmmBackward0": _matmul_probe(0, 1, "self", "mat2"),
     "BaddbmmBackward0": _matmul_probe(1, 2, "batch1", "batch2"),
     **dict.fromkeys(ATTENTION_NODES, _attention),
+    DEFORM_CONV: _deform_convolution,
 }
 
 PROBED: frozenset[str] = frozenset(_PROBES)

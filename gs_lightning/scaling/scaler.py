@@ -40,7 +40,7 @@ from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
-from gs_lightning.scaling.update import LayerScale, Settings, UpdateRun
+from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun
 
 _MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
 _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
@@ -591,7 +591,7 @@ class GradientScaler:
         return frozenset(deferred)
 
     def _settings(self, path: Path) -> Settings:
-        caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale)) if c is not None]
+        caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
         return Settings(
             underflow_rate=self.underflow_rate,
             lambda_min=self.lambda_min_value,

@@ -15,7 +15,9 @@ from functools import partial
 
 import torch
 
+from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.graph import (
+    BIAS_GRADIENT,
     EXACT_WEIGHT_GRADS,
     GEMM_OPERANDS,
     RNN_NODES,
@@ -118,6 +120,23 @@ def absmax(t: torch.Tensor) -> torch.Tensor:
 
 Warn = Callable[[str, str], None]
 
+# The overflow bounds an update decides on are tight (a bias gradient's is exact), and its scales
+# are replayed until the next update while the weights move. Every bound keeps this many binades of
+# headroom, so a gradient may grow 2x before a replay overflows (GPT-2's c_proj bias gradients
+# overflowed replays one SGD step after an update without it). What it costs in underflow, where
+# an overflow bound decides the scale: README_issue19.md.
+REPLAY_HEADROOM_LOG2 = 1
+
+# Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
+# factor, and the scalar it is given as) represents every factor and its inverse as a normal
+# number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
+# NaN). Gradients needing more lie far below every low-precision format's range anyway.
+MAX_LOG2_TOTAL = 100
+# The overflow limits that are exact on the update iteration (the others bound loosely, or, as the
+# measured weight gradient, keep a margin of their own): these, and a sampled node's "output ..."
+# limits, keep REPLAY_HEADROOM_LOG2.
+EXACT_LIMITS = frozenset({"incoming gradient", BIAS_GRADIENT})
+
 # An opaque region (custom autograd Function, compiled region) is scaled as one unit. Its update
 # iteration runs it at a probe scale that leaves the gradient entering it this many binades below
 # λmax: room for its gradients to grow inside it, where nothing can be measured (its weight
@@ -128,6 +147,11 @@ OPAQUE_PROBE_HEADROOM_LOG2 = 12
 # Headroom kept above a weight gradient measured on an update iteration, in binades, for the
 # batches until the next update (README "How it works": chosen on bench/compare_training.py).
 WEIGHT_GRAD_MARGIN_LOG2 = 0.5
+
+
+def _exact(limit: str) -> bool:
+    """Whether an overflow limit (named as in :meth:`UpdateRun._choose`) is exact on the update iteration."""
+    return limit in EXACT_LIMITS or limit.startswith("output")
 
 
 class UpdateRun:
@@ -272,21 +296,29 @@ class UpdateRun:
         if self._arrived[slot] < self.graph.in_counts[slot]:
             return None
         parts = self._stash.pop(slot, [])
-        common = self.slot_alpha[slot] = self._common(parts, slot[0]) if parts else alpha
+        common = self.slot_alpha[slot] = self._common(parts, slot[0], summed=True) if parts else alpha
         total = None
         for part, a in parts:  # in arrival order, as autograd itself would sum them
             term = times_pow2(part, common - a)
             total = term if total is None else total + term
         return total
 
-    def _common(self, parts: list[tuple[torch.Tensor, int]], i: int) -> int:
-        """Algorithm 1, line 17: one scale for gradients that carry different ones."""
+    def _common(self, parts: list[tuple[torch.Tensor, int]], i: int, summed: bool = False) -> int:
+        """Algorithm 1, line 17: one scale for gradients that carry different ones.
+
+        ``summed``: the parts are added (a branch), so the bound is on their sum, Σ max|∇X_i| / α_i,
+        not on each part; it is checked even when they share a scale if the sum is taken in a low
+        precision, where it can overflow though every part is finite (a weight used three times
+        under autocast). Either bound keeps :data:`REPLAY_HEADROOM_LOG2`.
+        """
         alphas = [a for _, a in parts]
-        if len(set(alphas)) == 1:
+        low_precision_sum = summed and len(parts) > 1 and any(g.dtype in FORMATS for g, _ in parts)
+        if len(set(alphas)) == 1 and not low_precision_sum:
             return alphas[0]
         maxima = stats(*(absmax(g) for g, _ in parts))
-        largest = max(m * 2.0**-a for m, a in zip(maxima, alphas))
-        return self._capped(branch_log2_scale(alphas, largest, self.settings.lambda_max), i)
+        true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
+        largest = sum(true_maxima) if summed else max(true_maxima)
+        return self._capped(branch_log2_scale(alphas, largest * 2.0 ** max(self.settings.overflow_margin, REPLAY_HEADROOM_LOG2), self.settings.lambda_max), i)
 
     def _total_cap(self, i: int) -> int | None:
         caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i)) if c is not None]
@@ -299,8 +331,9 @@ class UpdateRun:
     def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float]) -> tuple[int, str]:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``."""
         s = self.settings
+        # Exact bounds keep at least REPLAY_HEADROOM_LOG2 for the replays; the others are loose already.
+        limits = {name: bound - max(s.overflow_margin, REPLAY_HEADROOM_LOG2 if _exact(name) else 0.0) for name, bound in limits.items()}
         upper_name, upper = min(limits.items(), key=lambda item: item[1], default=("", math.inf))
-        upper -= s.overflow_margin
         caps = {"max_layer_scale": s.layer_cap}
         if s.total_cap is not None:
             caps["accumulated-scale cap"] = s.total_cap - alpha
@@ -327,6 +360,8 @@ class UpdateRun:
         operands = [(k, op) for k, op in operands if op.operand is not None]
         node = self.graph.nodes[i]
         weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else {}
+        if not operands and self.analysis.gemms[i] and not weight_bounds:  # operands unreadable (two activations under checkpointing)
+            return self._non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         samples = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
@@ -432,7 +467,7 @@ class UpdateRun:
         return min(caps, default=None)
 
     def _non_finite(self, i: int, kind: str, alpha: int) -> int:
-        """No decision (no finite statistics to decide on): the scale passes through."""
+        """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""
         self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, alpha, math.nan))
         return 0
 

@@ -236,6 +236,19 @@ def plot(runs: list[Run], folder: Path) -> list[Path]:
     return written
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, cache: str) -> None:
+    """The options every training bench shares: underflow sampling, data cache, outputs, reports, threads.
+
+    ``cache`` names the folder under the system's temporary directory for the generated datasets.
+    """
+    parser.add_argument("--underflow-every", type=int, default=10, help="sample GEMM-gradient underflow every N steps")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / cache, help="generated datasets")
+    parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (none if unset)")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's results here, after each run")
+    parser.add_argument("--report", type=Path, nargs="+", default=None, help="train nothing: table and plots of these --json files")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a shared machine; run tasks in parallel)")
+
+
 def main(argv: list[str] | None = None) -> list[Run]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny datasets, 10 steps, 1 seed: every method in < 3 min")
@@ -243,12 +256,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 10)")
-    parser.add_argument("--underflow-every", type=int, default=10, help="sample GEMM-gradient underflow every N steps")
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gs_lightning_compare", help="generated datasets")
-    parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG curves (none if unset)")
-    parser.add_argument("--json", type=Path, default=None, help="write every run's results here")
-    parser.add_argument("--report", type=Path, nargs="+", default=None, help="train nothing: table and plots of these --json files")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a shared machine; run tasks in parallel)")
+    add_run_arguments(parser, cache="gs_lightning_compare")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.report is not None:

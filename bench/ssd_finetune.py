@@ -31,7 +31,6 @@ import hashlib
 import json
 import math
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _training_tasks import Task, _load
-from compare_training import E5M2, METHODS, Method, Run, _final_loss, _mean_std, train
+from compare_training import E5M2, METHODS, Method, Run, _final_loss, _mean_std, add_run_arguments, train
 from torch import Tensor, nn
 
 from gs_lightning import GradientScaler
@@ -421,13 +420,8 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
     parser.add_argument("--width", type=float, default=None, help=f"VGG16 width multiplier (default {FULL.width:g})")
     parser.add_argument("--lr", type=float, default=None, help=f"detector SGD learning rate (default {FULL.lr:g})")
     parser.add_argument("--n-train", type=int, default=None, help=f"training images (default {FULL.n_train})")
-    parser.add_argument("--underflow-every", type=int, default=10, help="sample GEMM-gradient underflow every N steps")
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gs_lightning_ssd_finetune", help="generated datasets")
     parser.add_argument("--weights", type=Path, default=Path.home() / ".cache" / "gs_lightning", help="where the pretrained backbone is cached")
-    parser.add_argument("--plots", type=Path, default=None, help="folder for the PNGs (none if unset)")
-    parser.add_argument("--json", type=Path, default=None, help="write every run's results here, after each run")
-    parser.add_argument("--report", type=Path, nargs="+", default=None, help="train nothing: table and plots of these --json files")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    add_run_arguments(parser, cache="gs_lightning_ssd_finetune")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.report is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,23 +46,40 @@ class AutogradGraph:
 
 def walk(root: Node) -> AutogradGraph:
     """Record the graph reachable from ``root`` through ``next_functions``."""
-    index: dict[Node, int] = {root: 0}
-    nodes = [root]
-    names = [type(root).__name__]
+    return walk_from((root,))
+
+
+def walk_from(roots: Sequence[Node], is_leaf: Callable[[Node], bool] | None = None) -> AutogradGraph:
+    """Record the graph reachable from ``roots`` (indices ``0..len(roots)-1``, breadth first).
+
+    Nodes for which ``is_leaf`` holds are named :data:`LEAF` and not followed: the inputs of a
+    compiled region, whose gradients leave it there.
+    """
+    index: dict[Node, int] = {}
+    nodes: list[Node] = []
+    names: list[str] = []
+
+    def visit(node: Node) -> int:
+        j = index.get(node)
+        if j is None:
+            j = index[node] = len(nodes)
+            nodes.append(node)
+            names.append(LEAF if is_leaf is not None and is_leaf(node) else type(node).__name__)
+        return j
+
+    for root in roots:
+        visit(root)
     edges: list[tuple[Slot | None, ...]] = []
     in_counts: dict[Slot, int] = defaultdict(int)
     i = 0
     while i < len(nodes):
         out: list[Slot | None] = []
-        for nxt, slot in nodes[i].next_functions:
+        followed = is_leaf is None or names[i] != LEAF
+        for nxt, slot in nodes[i].next_functions if followed else ():
             if nxt is None:
                 out.append(None)
                 continue
-            j = index.get(nxt)
-            if j is None:
-                j = index[nxt] = len(nodes)
-                nodes.append(nxt)
-                names.append(type(nxt).__name__)
+            j = visit(nxt)
             out.append((j, slot))
             in_counts[(j, slot)] += 1
         edges.append(tuple(out))

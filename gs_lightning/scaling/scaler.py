@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from gs_lightning.scaling.checkpointing import intercept_recomputation
+from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerPlan, compiled_modules, replay_hooks
 from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, overflow_caps, unscale_check_and_measure
 from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
@@ -74,6 +75,7 @@ class _PreparedBackward:
         self.parent = parent
         self.handles: list = []
         self.inner: list[_PreparedBackward] = []
+        self.compiled: CompiledReplay | None = None  # a replay through compiled regions (graph indices differ from the plan's)
 
     def leaf_ids(self) -> set[int]:
         """Ids of this graph's leaf variables and those of every graph it is nested in."""
@@ -187,6 +189,8 @@ class GradientScaler:
         self._optimizer_found_inf: dict[int, bool] = {}
         self._skipped_this_iteration = False
         self._warned: set[str] = set()
+        self._compiled: list[CompiledModule] = []  # the attached models' torch.compile'd modules
+        self._compiled_plan: EagerPlan | None = None  # the last eager update, as their compiled replays read it
         if model is not None:
             self.attach(model)
 
@@ -221,6 +225,8 @@ class GradientScaler:
         self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
         self._analyses.clear()  # layer names are decided with the analysis
         self._buffer_copy = [b.detach().clone() for b in self._buffers()]
+        instrumented = {id(m.module) for m in self._compiled}
+        self._compiled += [CompiledModule(m, self) for m in compiled_modules(model) if id(m) not in instrumented]
 
     def is_enabled(self) -> bool:
         """Whether scaling is on (``GradScaler``'s name)."""
@@ -434,7 +440,7 @@ class GradientScaler:
 
     # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
     _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_analyses", "_checked",
-                  "_written", "_found_inf_flags", "_optimizer_stage", "_optimizer_found_inf")
+                  "_written", "_found_inf_flags", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan")
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy keeps. Without the iteration's finiteness records a copy reads every ``.grad`` at its
@@ -451,6 +457,7 @@ class GradientScaler:
         self._prepared, self._analyses = None, {}
         self._checked, self._written, self._found_inf_flags = {}, {}, []
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
+        self._compiled, self._compiled_plan = [], None
 
     # --- one backward ------------------------------------------------------------------------
 
@@ -470,11 +477,62 @@ class GradientScaler:
             for j in prepared.leaves.deferred:  # they had no .grad before; a partial, scaled one must not stay
                 prepared.graph.nodes[j].variable.grad = None
 
+    def _updates_next(self) -> bool:
+        """Whether the next backward is an update iteration (compiled modules then run their forward eagerly)."""
+        return self._force_update or self._iteration % self.update_interval == 0 or () not in self._plans
+
+    def _prepare_compiled_replay(self, root: Node, graph: AutogradGraph) -> _PreparedBackward | None:
+        """The replay of a backward through compiled modules that carry the last update's scales in their graphs.
+
+        ``None`` where no compiled module ran with them (their graphs then hold scale 1, as plain
+        compiled regions: the backward is scaled as any graph with opaque nodes, and the next one updates).
+        """
+        ran = [m for m in self._compiled if m.compiled_inputs is not None]
+        eager = self._compiled_plan
+        if not ran:
+            return None
+        if eager is None or any(m.unmatched for m in ran):
+            for module in ran:
+                if module.unmatched:
+                    module.run_eagerly("its compiled graph does not have the structure of its eager forward")
+            self._force_update = True
+            return None
+        analysis = eager.analysis_of(graph, self._module_names)
+        replay = replay_hooks(graph, analysis, eager, ran, self._deferred_leaves(graph, analysis, frozenset(), set()))
+        if replay is None:  # the region carried this plan's scales: a plain backward would leave scaled gradients
+            raise RuntimeError(
+                "GradientScaler: the backward graph around a torch.compile'd module changed since the last update "
+                "(other eager operators or another wiring), so the scales its compiled graph applied cannot be "
+                "matched; compile the whole model, or keep the eager code around the compiled module the same "
+                "from one iteration to the next."
+            )
+        prepared = _PreparedBackward(graph, analysis, LeafTargets(frozenset(j for j, _, _ in replay.deferred)), None, (), None)
+        prepared.compiled = replay
+        prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))  # first, as in _prepare
+        prepared.handles += replay.register()
+        return prepared
+
+    def _locate_compiled(self, graph: AutogradGraph) -> None:
+        """After an update: locate each compiled module's eager forward in ``graph``, for the compiled replays."""
+        if not self._compiled:
+            return
+        if any(m.compiled_inputs is not None for m in self._compiled):  # a region ran compiled, without this plan
+            self._compiled_plan = None
+            self._force_update = True
+            return
+        for module in self._compiled:
+            module.locate(graph)
+        self._compiled_plan = EagerPlan(self._iteration, self._plans[()], self._analyses[()], graph)
+
     def _prepare(
         self, root: Node, path: Path, update: bool, parent: _PreparedBackward | None = None, root_alpha: int = 0, exits: frozenset[int] = frozenset()
     ) -> _PreparedBackward:
         """Register the hooks of an update run, or of the plan's replay, on the graph below ``root``."""
         graph = walk(root)
+        if not path and not update and self._compiled:
+            prepared = self._prepare_compiled_replay(root, graph)
+            if prepared is not None:
+                return prepared
         plan, analysis = self._plans.get(path), self._analyses.get(path)
         known = plan is not None and plan.matches(graph)
         exit_leaves = frozenset(j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits)
@@ -526,6 +584,12 @@ class GradientScaler:
         runs = {j: _will_execute(graph.nodes[j]) for j in analysis.leaves}
         if all(r is True for r in runs.values()):  # a plain backward: nothing is captured but leaves that run
             return []
+        if prepared.compiled is not None:
+            raise RuntimeError(
+                "GradientScaler: torch.autograd.grad (or backward(inputs=...)) through a torch.compile'd module is "
+                "supported on update iterations only; use backward() for a compiled model, or call the scaler's "
+                "attach() on the module before compiling it to keep it eager."
+            )
         targets = {j for j in prepared.leaves.deferred if runs[j] is None}
         for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured
             if i in analysis.leaves or not _will_execute(graph.nodes[i]):
@@ -545,14 +609,14 @@ class GradientScaler:
         """Run by the autograd engine once a prepared graph's backward is done."""
         prepared.remove_hooks()
         graph, analysis, run = prepared.graph, prepared.analysis, prepared.run
-        alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
         deferred = prepared.leaves.deferred
         self._flags_read = None
-        self._found_inf_flags += unscale_check_and_measure(
-            [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred],
-            self._drift if not prepared.path else None,
-            run is not None,
-        )
+        if prepared.compiled is not None:  # leaf indices and scales of the eager update, which the drift compares with
+            unscaled = [(e, graph.nodes[j].variable, alpha) for j, e, alpha in prepared.compiled.deferred]
+        else:
+            alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
+            unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
+        self._found_inf_flags += unscale_check_and_measure(unscaled, self._drift if not prepared.path else None, run is not None)
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self._written[id(variable)] = variable
@@ -567,6 +631,9 @@ class GradientScaler:
         self._prepared = None
         if run is not None:
             self._finish_update(run)
+            self._locate_compiled(graph)
+        for module in self._compiled:
+            module.end_iteration()
         self._iteration += 1
 
     def _deferred_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]) -> frozenset[int]:
@@ -745,8 +812,9 @@ def _unflatten(outputs: Outputs, tensors: Iterator[torch.Tensor]) -> Outputs:
 def _module_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for module_name, module in model.named_modules():
+        name = ".".join(part for part in module_name.split(".") if part != "_orig_mod")  # as the model had before torch.compile
         for param in module.parameters(recurse=False):
-            names.setdefault(id(param), module_name or type(module).__name__)
+            names.setdefault(id(param), name or type(module).__name__)
     return names
 
 

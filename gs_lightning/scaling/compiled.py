@@ -61,6 +61,12 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _gradient_edge(tensor: torch.Tensor) -> tuple[Node, int]:
+    """(node, output number) that receives ``tensor``'s gradient."""
+    edge = get_gradient_edge(tensor)
+    return edge.node, edge.output_nr
+
+
 def _region_roots(outputs: list[torch.Tensor]) -> list[Node]:
     return [t.grad_fn for t in outputs if t.grad_fn is not None]
 
@@ -162,7 +168,10 @@ class ScalingBackend:
         example = fake_mode.from_tensor(scaled.ones) if fake_mode is not None else scaled.ones
         compiled = self.inner(_with_scale_vector(gm, scaled, example), [*example_inputs, example])
         def run(*args: Any) -> Any:
-            return compiled(*args, CompiledModule.vector_of_active(scaled))
+            module = CompiledModule.running()
+            if module is None:  # no backward under the scaler follows (no_grad, evaluation, a scaler disabled)
+                return compiled(*args, scaled.ones)
+            return module.call(scaled, gm, compiled, args)
 
         return run
 
@@ -313,6 +322,8 @@ class CompiledModule:
         self.compiled_forward = module.forward
         module.forward = self.forward
         self.eager_reason: str | None = None  # set once the compiled graph cannot carry the eager plan
+        self.updating = True  # whether this iteration's forward runs its graphs eagerly
+        self.graph_calls = 0  # graphs this iteration's forward ran
         self.region: _Region | None = None
         self.unmatched = False  # this iteration's compiled call ran with the unit vector
         self._eager_call: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (inputs, outputs) on an update
@@ -320,26 +331,42 @@ class CompiledModule:
         self._vectors: dict[ScaledGraph, tuple[int, torch.Tensor]] = {}
 
     @classmethod
-    def vector_of_active(cls, graph: ScaledGraph) -> torch.Tensor:
-        """The scale vector for ``graph`` of the module whose compiled forward is running (all ones if none)."""
-        return cls._active[-1].vector(graph) if cls._active else graph.ones
+    def running(cls) -> CompiledModule | None:
+        """The module whose forward is running under a scaler, innermost first."""
+        return cls._active[-1] if cls._active else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Eager on an update iteration (or for good, see :attr:`eager_reason`), compiled otherwise."""
+        """The compiled forward, whose graphs run eagerly on an update iteration; the original module's for good
+        once :attr:`eager_reason` is set."""
         scaler = self._scaler()
         if scaler is None or not scaler.enabled or not torch.is_grad_enabled():
             return self.compiled_forward(*args, **kwargs)
-        inputs = _flat_tensors((args, kwargs))
-        if self.eager_reason is not None or self.region is None or scaler._updates_next():
-            outputs = self.module._orig_mod(*args, **kwargs)
-            self._eager_call = (inputs, _flat_tensors(outputs))
-            return outputs
-        self.compiled_inputs = inputs
+        if self.eager_reason is not None:
+            return self.module._orig_mod(*args, **kwargs)
+        self.updating = self.region is None or scaler._updates_next()
+        self.graph_calls = 0
         CompiledModule._active.append(self)
         try:
             return self.compiled_forward(*args, **kwargs)
         finally:
             CompiledModule._active.pop()
+
+    def call(self, graph: ScaledGraph, captured: torch.fx.GraphModule, compiled: Callable, args: tuple) -> Any:
+        """Run one graph of this module's forward: dynamo's captured graph eagerly on an update iteration (Algorithm 1
+        then decides on the program that was compiled), else the compiled graph with this module's scale vector."""
+        self.graph_calls += 1
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        if self.updating:
+            outputs = captured(*args)
+            self._eager_call = (inputs, _flat_tensors(outputs))
+            return outputs
+        if self.graph_calls > 1:  # the update saw one graph: what this one would need is unknown
+            raise RuntimeError(
+                f"GradientScaler: the compiled {type(self.module._orig_mod).__name__} ran more graphs than on the last "
+                "update iteration (a new graph break); its scales cannot be replayed. Compile it with fullgraph=True."
+            )
+        self.compiled_inputs = inputs
+        return compiled(*args, self.vector(graph))
 
     def vector(self, graph: ScaledGraph) -> torch.Tensor:
         """This module's scale vector for ``graph``, holding the last update's factors."""
@@ -380,6 +407,9 @@ class CompiledModule:
         """Locate this iteration's eager forward in the update's ``graph``; the next compiled calls replay it."""
         if self._eager_call is None:
             return
+        if self.graph_calls > 1:
+            self.run_eagerly(f"it compiles to {self.graph_calls} graphs (graph breaks); fullgraph=True keeps it one")
+            return
         inputs, outputs = self._eager_call
         index = {node: i for i, node in enumerate(graph.nodes)}
         boundary = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
@@ -389,7 +419,7 @@ class CompiledModule:
             self.run_eagerly("its outputs do not reach the loss through autograd")
             return
         leaves = {id(graph.nodes[j].variable): j for j, name in enumerate(graph.names) if name == LEAF}
-        edges = {a: get_gradient_edge(t) for a, t in enumerate(inputs) if t.requires_grad}
+        edges = {a: _gradient_edge(t) for a, t in enumerate(inputs) if t.requires_grad}
         self.region = _Region(
             region.names,
             region.edges,
@@ -487,7 +517,7 @@ def replay_hooks(
 def _region_exits(graph: AutogradGraph, c: int, module: CompiledModule) -> list[tuple[Any, Any]] | None:
     """(edge of the compiled node, its counterpart in the update's graph) for each gradient leaving the region."""
     region = module.region
-    inputs = {get_gradient_edge(t): a for a, t in enumerate(module.compiled_inputs) if t.requires_grad}
+    inputs = {_gradient_edge(t): a for a, t in enumerate(module.compiled_inputs) if t.requires_grad}
     exits = []
     for edge in graph.edges[c]:
         if edge is None:
@@ -499,7 +529,7 @@ def _region_exits(graph: AutogradGraph, c: int, module: CompiledModule) -> list[
                 return None
             exits.append((edge, (leaf, s)))
             continue
-        a = inputs.get(torch.autograd.graph.GradientEdge(graph.nodes[j], s))
+        a = inputs.get((graph.nodes[j], s))
         if a is None or a not in region.inputs:
             return None
         exits.append((edge, region.inputs[a]))

@@ -1,6 +1,8 @@
-"""``torch.compile`` with the Trainer plugin, the ways Lightning documents it (issue 16, item 3).
+"""``torch.compile`` with the Trainer plugin, the ways Lightning documents it (issue 16).
 
-A compiled region's backward is one opaque node, scaled as one unit (see ``tests/scaling/test_opaque.py``).
+A compiled submodule gets per-layer scales inside its compiled backward (``tests/scaling/test_compiled.py``).
+A compiled LightningModule, which Lightning unwraps and re-wraps method by method, is still one opaque node
+scaled as one unit (see ``tests/scaling/test_opaque.py``).
 ``backend="aot_eager"`` builds the same compiled autograd Function as inductor without generating code,
 so these stay fast on the CPU.
 """
@@ -26,18 +28,22 @@ def _compile_submodule(model: Classifier) -> Classifier:
 
 
 @pytest.mark.parametrize("compile_", [_compile_module, _compile_submodule], ids=["LightningModule", "submodule"])
-def test_a_compiled_model_trains_with_the_plugin_and_its_region_gets_a_scale(compile_) -> None:
+def test_a_compiled_model_trains_with_the_plugin_and_gets_scales(compile_) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, reference = Classifier(), Classifier()
     reference.load_state_dict(model.state_dict())
-    plugin = GradientScalingPlugin()
+    plugin, reference_plugin = GradientScalingPlugin(), GradientScalingPlugin()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer(plugin, max_steps=3).fit(compile_(model), loader())
-        make_trainer(GradientScalingPlugin(), max_steps=3).fit(reference, loader())
-    (region,) = [layer for layer in plugin.scaler.layers() if layer.kind == "opaque"]
-    assert "CompiledFunction" in region.name and region.log2_scale > 0 and region.log2_total >= 10
+        make_trainer(reference_plugin, max_steps=3).fit(reference, loader())
+    if compile_ is _compile_submodule:  # the layers of the compiled net, named and scaled as in the eager model
+        assert [layer.name for layer in plugin.scaler.layers()] == [layer.name for layer in reference_plugin.scaler.layers()]
+        assert plugin.scaler._compiled[0].eager_reason is None
+    else:
+        (region,) = [layer for layer in plugin.scaler.layers() if layer.kind == "opaque"]
+        assert "CompiledFunction" in region.name and region.log2_scale > 0 and region.log2_total >= 10
     assert plugin.scaler.skipped_steps == 0
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)  # fp16: the two backward graphs round alike, not equally

@@ -16,6 +16,12 @@ section is synchronised, and a reuse iteration is also run under
     python bench/overhead.py                       # CPU, one thread, ResNet-50, batch 2 at 32x32, fp32
     python bench/overhead.py --autocast            # the same under fp16 autocast (slow on a CPU)
     python bench/overhead.py --device cuda --autocast --batch-size 256 --image-size 224
+    python bench/overhead.py --compile --arch resnet18   # torch.compile'd model (inductor; --backend to change)
+
+With ``--compile`` every method trains a ``torch.compile``d model: plain and GradScaler one
+compiled copy, GS between updates another (the scaler compiles it with its scale vector), and GS
+update iterations a third, whose forward runs dynamo's captured graph eagerly on every iteration
+(``update_interval=1``). The first rounds compile; they are warm-up.
 """
 
 from __future__ import annotations
@@ -104,6 +110,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--autocast", action="store_true", help="fp16 autocast forward (default: fp32)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (see above)")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend with --compile")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -114,15 +122,21 @@ def main() -> None:
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     y = torch.randint(0, 1000, (args.batch_size,), device=device)
 
-    def loss() -> torch.Tensor:
+    def compiled() -> torch.nn.Module:
+        return torch.compile(model, backend=args.backend) if args.compile else model
+
+    plain_model, update_model, reuse_model = compiled(), compiled(), compiled()
+
+    def loss(forward: torch.nn.Module = plain_model) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.float16, enabled=args.autocast):
-            return F.cross_entropy(model(x), y)
+            return F.cross_entropy(forward(x), y)
 
     amp = torch.amp.GradScaler(device.type)
-    gs_update = GradientScaler(model, update_interval=1)
-    gs_reuse = GradientScaler(model, update_interval=10**9)
-    gs_reuse.backward(loss())  # its one update; every later backward replays it
+    gs_update = GradientScaler(update_model, update_interval=1)
+    gs_reuse = GradientScaler(reuse_model, update_interval=10**9)
+    gs_reuse.backward(loss(reuse_model))  # its one update; every later backward replays it
+    forward_of = {"GS update iteration": update_model, "GS between updates": reuse_model}
 
     def grad_scaler(value: torch.Tensor) -> None:
         amp.scale(value).backward()
@@ -141,20 +155,20 @@ def main() -> None:
         "GS update iteration": partial(gradient_scaling, gs_update),
         "GS between updates": partial(gradient_scaling, gs_reuse),
     }
-    ops = {}
-    for name, backward in methods.items():
-        value = loss()
-        ops[name] = count_ops(partial(backward, value))
     times: dict[str, list[float]] = {name: [] for name in methods}
     for round_ in range(args.rounds + 2):
         for name, backward in methods.items():
-            value = loss()
+            value = loss(forward_of.get(name, plain_model))
             elapsed = _time(partial(backward, value), device)
-            if round_ >= 2:  # warm-up rounds
+            if round_ >= 2:  # warm-up rounds (and compilation)
                 times[name].append(elapsed)
+    ops = {}
+    for name, backward in methods.items():
+        value = loss(forward_of.get(name, plain_model))
+        ops[name] = count_ops(partial(backward, value))
 
     if device.type == "cuda":
-        value = loss()
+        value = loss(reuse_model)
         torch.cuda.set_sync_debug_mode("error")
         try:
             gs_reuse.backward(value)
@@ -162,10 +176,11 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode("default")
         print("GS between updates: no host-device synchronisation (sync debug mode 'error' passed)")
 
-    breakdown = host_breakdown(gs_reuse, loss())
+    breakdown = host_breakdown(gs_reuse, loss(reuse_model)) if not args.compile else {}
     plain = statistics.median(times["plain backward"])
+    compiled_with = f", torch.compile(backend={args.backend!r})" if args.compile else ""
     print(
-        f"\n{args.arch}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {device.type}, "
+        f"\n{args.arch}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {device.type}{compiled_with}, "
         f"median of {args.rounds} interleaved rounds\n"
     )
     print("| method | backward ms | added vs plain (ms) | ratio vs plain | aten ops | ops added vs plain |")
@@ -179,7 +194,8 @@ def main() -> None:
     print(f"\nGS between updates vs GradScaler: median {reuse - amp_ms:+.2f} ms ({reuse / amp_ms:.3f}x), "
           f"best of {args.rounds} {best_reuse - best_amp:+.2f} ms ({best_reuse / best_amp:.3f}x), "
           f"{ops['GS between updates'] - ops['GradScaler']:+d} aten ops")
-    print("\nHost-side work of GS between updates (no kernels):")
+    if breakdown:
+        print("\nHost-side work of GS between updates (no kernels):")
     for name, value in breakdown.items():
         print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")
 

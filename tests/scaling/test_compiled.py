@@ -185,3 +185,24 @@ def test_inductor_replays_are_bit_identical_to_its_plain_backward() -> None:
                 torch.testing.assert_close(a, b)
         assert scales == eager_scales
     assert scaler._compiled[0].eager_reason is None and scaler._compiled[0]._vectors
+
+
+class BrokenMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.stem(x))
+        torch._dynamo.graph_break()  # two graphs: one scale vector cannot be matched to both
+        return self.head(x)
+
+
+def test_a_model_with_a_graph_break_runs_eagerly_with_per_layer_scales() -> None:
+    torch._dynamo.reset()
+    shape = INPUTS[MLP]
+    plain, scaled = [], []
+    _train(_whole(_fresh(BrokenMLP)), None, shape, plain)
+    model = _whole(_fresh(BrokenMLP))
+    scaler = GradientScaler(model, update_interval=UPDATE_INTERVAL)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on.*2 graphs"):
+        _train(model, scaler, shape, scaled)
+    for (grads, _), (plain_grads, _) in zip(scaled, plain):
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert all(layer.kind != "opaque" for layer in scaler.layers())

@@ -53,6 +53,8 @@ def test_snippet_runs_and_scales_every_batch(snippet: str, tmp_path: Path, monke
     exec(compile(SETUP + snippet, str(README), "exec"), namespace)  # noqa: S102 (running the README's code is the test)
     scaler = _gradient_scaler(namespace)
     assert scaler.iteration == len(namespace["data"])  # one scaled backward per batch
+    if "compiled" in namespace:  # the torch.compile snippet: per-layer scales inside the compiled backward
+        assert scaler.layers() and all(layer.kind != "opaque" for layer in scaler.layers())
 
 
 def _gradient_scaler(namespace: dict) -> GradientScaler:

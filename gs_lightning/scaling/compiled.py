@@ -1,13 +1,14 @@
 """Per-layer scales inside ``torch.compile``d modules.
 
-Update iterations run a compiled module eagerly (its ``_orig_mod``), so Algorithm 1 decides every
-scale on the real autograd graph, as for any eager model. The iterations in between run the
-compiled graph, and the scales are inside it: the scaler compiles the module with its own backend
-around the user's (:class:`ScalingBackend`), which traces a multiply by one element of a **scale
-vector** into the backward at every place where a replayed scale can act (each slot of a decision
-point, each edge into a branch or into a region input). The vector is an input of the compiled
-graph, so new scales are a copy into it: no recompilation, no Python hook in the compiled backward
-and no host-device synchronisation between updates.
+On update iterations a compiled module runs the graph dynamo captured eagerly, so Algorithm 1
+decides every scale on a real autograd graph with the compiled program's structure, as for any
+eager model. The iterations in between run the compiled graph, and the scales are inside it: the
+scaler compiles the module with its own backend around the user's (:class:`ScalingBackend`), which
+traces a multiply by one element of a **scale vector** into the backward at every place where a
+replayed scale can act (each slot of a decision point, each edge into a branch, into a region
+input or into a parameter fed by several edges). The vector is an input of the compiled graph, so
+new scales are a copy into it: no recompilation, no Python hook in the compiled backward and no
+host-device synchronisation between updates.
 
 How the multiplies get there: AOTAutograd traces the backward by running autograd on the
 forward it traced, and hooks registered on that autograd graph run as it does, so their
@@ -18,8 +19,9 @@ the two structurally and writes into the vector the factors the eager plan appli
 eager plan's factors as hooks, and the weight gradients leaving the region at their scales are
 unscaled after the backward as for any model (:func:`replay_hooks`).
 
-Where the structures differ (a graph break, a module called twice per iteration) the module runs
-eagerly on every iteration, with a warning: per-layer scales, without compilation.
+Where they cannot be matched (a graph break, a module called twice per iteration) the module runs
+its original forward eagerly on every iteration, with a warning: per-layer scales, without
+compilation.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def _traced_multiplies(places: list[tuple[int, int]], scales: torch.Tensor) -> C
 def _scale_points(graph: AutogradGraph, analysis: GraphAnalysis, roots: int, parameter_leaves: set[int]) -> list[ScalePoint]:
     """Every place of a region's backward where a replayed eager plan can apply a factor other than 1.
 
+    The first ``roots`` nodes produce the region's outputs: all their slots receive from outside.
+
     Decision points scale what arrives in each of their slots; edges into a branch are brought to
     its common scale; edges into a region input may meet the input's uses outside the region (a
     branch there), and a parameter fed by several edges is unscaled edge by edge. A parameter fed
@@ -198,7 +202,7 @@ class ScalingBackend:
             if isinstance(getattr(node.meta.get("grapharg"), "example", None), nn.Parameter)
         }
         parameter_leaves = {j for j, node in enumerate(graph.nodes) if graph.names[j] == LEAF and id(getattr(node, "variable", None)) in parameters}
-        points = _scale_points(graph, analyze(graph, {}), len(roots), parameter_leaves)
+        points = _scale_points(graph, analyze(graph, {}), len(dict.fromkeys(roots)), parameter_leaves)
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         return ScaledGraph(graph.names, graph.edges, points, device)
 

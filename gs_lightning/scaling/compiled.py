@@ -318,13 +318,26 @@ class CompiledModule:
 
     def __init__(self, module: torch._dynamo.eval_frame.OptimizedModule, scaler: GradientScaler) -> None:
         self.module = module
-        self._scaler = weakref.ref(scaler)
         ctx = module.dynamo_ctx
         rewrapped = torch.compile(module._orig_mod, backend=ScalingBackend(inner_backend(module)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
         module.dynamo_ctx = rewrapped.dynamo_ctx
         module._initialize()
         self.compiled_forward = module.forward
         module.forward = self.forward
+        self.serve(scaler)
+
+    @classmethod
+    def of(cls, module: torch._dynamo.eval_frame.OptimizedModule, scaler: GradientScaler) -> CompiledModule:
+        """``module`` under ``scaler``: compiled again the first time, taken over from the scaler it served before."""
+        served = getattr(module.forward, "__self__", None)
+        if isinstance(served, CompiledModule):
+            served.serve(scaler)
+            return served
+        return cls(module, scaler)
+
+    def serve(self, scaler: GradientScaler) -> None:
+        """Scale for ``scaler`` from now on, from its first update (a resumed scaler, a new run on the same model)."""
+        self._scaler = weakref.ref(scaler)
         self.eager_reason: str | None = None  # set once the compiled graph cannot carry the eager plan
         self.updating = True  # whether this iteration's forward runs its graphs eagerly
         self.graph_calls = 0  # graphs this iteration's forward ran
@@ -402,6 +415,11 @@ class CompiledModule:
         if not wanted.keys() <= set(graph.points):
             return None
         return [wanted.get(point, 1.0) for point in graph.points]
+
+    @property
+    def ran_eagerly(self) -> bool:
+        """Whether this iteration's forward ran the captured graph eagerly."""
+        return self._eager_call is not None
 
     def end_iteration(self) -> None:
         """Forget this iteration's forward."""

@@ -226,7 +226,7 @@ class GradientScaler:
         self._analyses.clear()  # layer names are decided with the analysis
         self._buffer_copy = [b.detach().clone() for b in self._buffers()]
         instrumented = {id(m.module) for m in self._compiled}
-        self._compiled += [CompiledModule(m, self) for m in compiled_modules(model) if id(m) not in instrumented]
+        self._compiled += [CompiledModule.of(m, self) for m in compiled_modules(model) if id(m) not in instrumented]
 
     def is_enabled(self) -> bool:
         """Whether scaling is on (``GradScaler``'s name)."""
@@ -631,6 +631,7 @@ class GradientScaler:
         self._prepared = None
         if run is not None:
             self._finish_update(run)
+        if run is not None or any(m.ran_eagerly for m in self._compiled):  # a replay too: after load_state_dict
             self._locate_compiled(graph)
         for module in self._compiled:
             module.end_iteration()

@@ -228,3 +228,23 @@ def test_under_fp16_autocast_casts_inside_the_region_get_eager_gs_scales(make) -
         assert scales == eager_scales
         for a, b in zip(grads, fp32_grads):
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max()))
+
+
+def test_a_resumed_scaler_replays_its_saved_scales_inside_the_compiled_graph() -> None:
+    torch._dynamo.reset()
+    model, plain = _whole(_fresh(MLP)), _whole(_fresh(MLP))
+    x, y = _batch(INPUTS[MLP], 3)
+    scaler = GradientScaler(model, update_interval=100)
+    for _ in range(2):
+        scaler.backward(F.cross_entropy(model(x), y))
+    resumed = GradientScaler(model, update_interval=100)  # takes the compiled model over
+    resumed.load_state_dict(scaler.state_dict())
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        resumed.backward(F.cross_entropy(model(x), y))
+        F.cross_entropy(plain(x), y).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    (module,) = resumed._compiled
+    assert resumed.scales() == scaler.scales() and any(s > 1 for s in scaler.scales().values())
+    assert [version for version, _ in module._vectors.values()] == [2]  # no update: the saved plan, replayed compiled

@@ -587,8 +587,7 @@ class GradientScaler:
         if prepared.compiled is not None:
             raise RuntimeError(
                 "GradientScaler: torch.autograd.grad (or backward(inputs=...)) through a torch.compile'd module is "
-                "supported on update iterations only; use backward() for a compiled model, or call the scaler's "
-                "attach() on the module before compiling it to keep it eager."
+                "supported on update iterations only, whose forward runs eagerly; use backward() with a compiled model."
             )
         targets = {j for j in prepared.leaves.deferred if runs[j] is None}
         for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured

@@ -171,6 +171,7 @@ class ScalingBackend:
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         example = fake_mode.from_tensor(scaled.ones) if fake_mode is not None else scaled.ones
         compiled = self.inner(_with_scale_vector(gm, scaled, example), [*example_inputs, example])
+
         def run(*args: Any) -> Any:
             module = CompiledModule.running()
             if module is None:  # no backward under the scaler follows (no_grad, evaluation, a scaler disabled)

@@ -237,9 +237,9 @@ def _item(values: tuple, k: int) -> Any:
     return values[k]
 
 
-def inner_backend(module: torch._dynamo.eval_frame.OptimizedModule) -> Callable:
-    """The backend ``module`` was compiled with (a name's wrapper, or inductor's with its mode and options)."""
-    backend = module.dynamo_ctx.callback
+def inner_backend(ctx: Any) -> Callable:
+    """The backend of a dynamo context (``torch.compile``'s, for a name or inductor's with its mode and options)."""
+    backend = ctx.callback
     while hasattr(backend, "_torchdynamo_orig_backend"):
         backend = backend._torchdynamo_orig_backend
     return backend
@@ -308,24 +308,32 @@ class EagerPlan:
 
 
 class CompiledModule:
-    """A ``torch.compile``d module under a :class:`~gs_lightning.scaling.GradientScaler`.
+    """A ``torch.compile``d module (or a compiled method) under a :class:`~gs_lightning.scaling.GradientScaler`.
 
     Compiles it again with :class:`ScalingBackend` around its own backend (same ``fullgraph`` and
-    ``dynamic``) and routes its forward: eager on update iterations, compiled with this module's
-    scale vector otherwise.
+    ``dynamic``) and routes its calls: the captured graphs run eagerly on update iterations, compiled
+    with this module's scale vector otherwise. Build it with :meth:`of` or :meth:`of_method`.
+
+    Args:
+        owner: The object whose ``attribute`` is called (the compiled module, or the model of a compiled method).
+        attribute: ``"forward"``, or the compiled method's name.
+        compiled: The callable compiled with :class:`ScalingBackend`.
+        original: The same computation uncompiled, for a module that runs eagerly for good.
     """
 
     _active: list[CompiledModule] = []  # the modules whose compiled forward is running, innermost last
 
-    def __init__(self, module: torch._dynamo.eval_frame.OptimizedModule, scaler: GradientScaler) -> None:
-        self.module = module
-        ctx = module.dynamo_ctx
-        rewrapped = torch.compile(module._orig_mod, backend=ScalingBackend(inner_backend(module)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
-        module.dynamo_ctx = rewrapped.dynamo_ctx
-        module._initialize()
-        self.compiled_forward = module.forward
-        module.forward = self.forward
+    def __init__(self, owner: object, attribute: str, compiled: Callable, original: Callable, scaler: GradientScaler) -> None:
+        self.owner, self.attribute = owner, attribute
+        self.compiled_forward, self.original = compiled, original
+        setattr(owner, attribute, self.forward)
         self.serve(scaler)
+
+    @property
+    def name(self) -> str:
+        """What warnings call it."""
+        owner = self.owner._orig_mod if isinstance(self.owner, torch._dynamo.eval_frame.OptimizedModule) else self.owner
+        return type(owner).__name__ + ("" if self.attribute == "forward" else f".{self.attribute}")
 
     @classmethod
     def of(cls, module: torch._dynamo.eval_frame.OptimizedModule, scaler: GradientScaler) -> CompiledModule:
@@ -334,7 +342,21 @@ class CompiledModule:
         if isinstance(served, CompiledModule):
             served.serve(scaler)
             return served
-        return cls(module, scaler)
+        ctx = module.dynamo_ctx
+        rewrapped = torch.compile(module._orig_mod, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
+        module.dynamo_ctx = rewrapped.dynamo_ctx
+        module._initialize()  # its forward, as torch.compile wraps it, with the scaling backend
+        return cls(module, "forward", module.forward, module._orig_mod, scaler)
+
+    @classmethod
+    def of_method(cls, owner: nn.Module, attribute: str, original: Callable, ctx: Any, scaler: GradientScaler) -> CompiledModule:
+        """``owner.attribute``, which ``ctx`` (a dynamo context) compiled from ``original``, under ``scaler``."""
+        served = getattr(getattr(owner, attribute), "__self__", None)
+        if isinstance(served, CompiledModule):
+            served.serve(scaler)
+            return served
+        compiled = torch.compile(original, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
+        return cls(owner, attribute, compiled, original, scaler)
 
     def serve(self, scaler: GradientScaler) -> None:
         """Scale for ``scaler`` from now on, from its first update (a resumed scaler, a new run on the same model)."""
@@ -360,7 +382,7 @@ class CompiledModule:
         if scaler is None or not scaler.enabled or not torch.is_grad_enabled():
             return self.compiled_forward(*args, **kwargs)
         if self.eager_reason is not None:
-            return self.module._orig_mod(*args, **kwargs)
+            return self.original(*args, **kwargs)
         self.updating = self.region is None or scaler._updates_next()
         self.graph_calls = 0
         CompiledModule._active.append(self)
@@ -380,7 +402,7 @@ class CompiledModule:
             return outputs
         if self.graph_calls > 1:  # the update saw one graph: what this one would need is unknown
             raise RuntimeError(
-                f"GradientScaler: the compiled {type(self.module._orig_mod).__name__} ran more graphs than on the last "
+                f"GradientScaler: the compiled {self.name} ran more graphs than on the last "
                 "update iteration (a new graph break); its scales cannot be replayed. Compile it with fullgraph=True."
             )
         self.compiled_inputs = inputs
@@ -459,16 +481,25 @@ class CompiledModule:
         if scaler is not None:
             scaler._warn_once(
                 f"compiled:{id(self)}",
-                f"GradientScaler: the compiled {type(self.module._orig_mod).__name__} runs eagerly from now on, with "
+                f"GradientScaler: the compiled {self.name} runs eagerly from now on, with "
                 f"per-layer scales, because {reason}.",
             )
 
 
-def compiled_modules(model: nn.Module) -> Iterator[torch._dynamo.eval_frame.OptimizedModule]:
-    """The ``torch.compile``d modules in ``model`` (``model`` itself included)."""
+def compiled_modules(model: nn.Module, scaler: GradientScaler) -> Iterator[CompiledModule]:
+    """The ``torch.compile``d modules in ``model`` (``model`` itself included), under ``scaler``.
+
+    A LightningModule that Lightning compiled whole (``trainer.fit(torch.compile(model))``) holds
+    no compiled module: Lightning wraps its methods with the dynamo context instead and keeps the
+    originals in ``_compiler_ctx``; its ``training_step``, where the loss and its backward come
+    from, is compiled again with the scaling backend (the other steps run no backward).
+    """
     for module in model.modules():
         if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            yield module
+            yield CompiledModule.of(module, scaler)
+        lightning = getattr(module, "_compiler_ctx", None)
+        if isinstance(lightning, dict) and lightning.get("compiler") == "dynamo":
+            yield CompiledModule.of_method(module, "training_step", lightning["original_training_step"], lightning["dynamo_ctx"], scaler)
 
 
 @dataclass

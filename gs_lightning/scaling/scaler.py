@@ -225,8 +225,8 @@ class GradientScaler:
         self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
         self._analyses.clear()  # layer names are decided with the analysis
         self._buffer_copy = [b.detach().clone() for b in self._buffers()]
-        instrumented = {id(m.module) for m in self._compiled}
-        self._compiled += [CompiledModule.of(m, self) for m in compiled_modules(model) if id(m) not in instrumented]
+        instrumented = {id(m) for m in self._compiled}
+        self._compiled += [m for m in compiled_modules(model, self) if id(m) not in instrumented]
 
     def is_enabled(self) -> bool:
         """Whether scaling is on (``GradScaler``'s name)."""

@@ -248,3 +248,20 @@ def test_a_resumed_scaler_replays_its_saved_scales_inside_the_compiled_graph() -
     (module,) = resumed._compiled
     assert resumed.scales() == scaler.scales() and any(s > 1 for s in scaler.scales().values())
     assert [version for version, _ in module._vectors.values()] == [2]  # no update: the saved plan, replayed compiled
+
+
+def test_gradient_accumulation_through_a_compiled_model_stays_exact() -> None:
+    """The second micro-batch adds to an existing ``.grad``: the weight gradients leaving the region are unscaled
+    before autograd accumulates them (a pre-hook on the parameter's node) instead of after the backward."""
+    torch._dynamo.reset()
+    model, plain = _whole(_fresh(ResidualCNN)), _whole(_fresh(ResidualCNN))
+    scaler = GradientScaler(model, update_interval=UPDATE_INTERVAL)
+    for iteration in range(2 * UPDATE_INTERVAL + 1):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        for micro in range(2):
+            x, y = _batch(INPUTS[ResidualCNN], 2 * iteration + micro)
+            scaler.backward(F.cross_entropy(model(x), y))
+            F.cross_entropy(plain(x), y).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert scaler._compiled[0]._vectors and any(s > 1 for s in scaler.scales().values())

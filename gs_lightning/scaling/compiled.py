@@ -363,7 +363,7 @@ class CompiledModule:
         self._scaler = weakref.ref(scaler)
         self.eager_reason: str | None = None  # set once the compiled graph cannot carry the eager plan
         self.updating = True  # whether this iteration's forward runs its graphs eagerly
-        self.graph_calls = 0  # graphs this iteration's forward ran
+        self.graph_calls = 0  # graphs this iteration's forwards ran
         self.region: _Region | None = None
         self.unmatched = False  # this iteration's compiled call ran with the unit vector
         self._eager_call: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (inputs, outputs) on an update
@@ -384,7 +384,6 @@ class CompiledModule:
         if self.eager_reason is not None:
             return self.original(*args, **kwargs)
         self.updating = self.region is None or scaler._updates_next()
-        self.graph_calls = 0
         CompiledModule._active.append(self)
         try:
             return self.compiled_forward(*args, **kwargs)
@@ -402,8 +401,8 @@ class CompiledModule:
             return outputs
         if self.graph_calls > 1:  # the update saw one graph: what this one would need is unknown
             raise RuntimeError(
-                f"GradientScaler: the compiled {self.name} ran more graphs than on the last "
-                "update iteration (a new graph break); its scales cannot be replayed. Compile it with fullgraph=True."
+                f"GradientScaler: the compiled {self.name} ran more graphs in this iteration than on the last update "
+                "iteration (a new graph break, or a second call); its scales cannot be replayed."
             )
         self.compiled_inputs = inputs
         return compiled(*args, self.vector(graph))
@@ -446,14 +445,17 @@ class CompiledModule:
 
     def end_iteration(self) -> None:
         """Forget this iteration's forward."""
-        self._eager_call, self.compiled_inputs, self.unmatched = None, None, False
+        self._eager_call, self.compiled_inputs, self.unmatched, self.graph_calls = None, None, False, 0
 
     def locate(self, graph: AutogradGraph) -> None:
         """Locate this iteration's eager forward in the update's ``graph``; the next compiled calls replay it."""
         if self._eager_call is None:
             return
         if self.graph_calls > 1:
-            self.run_eagerly(f"it compiles to {self.graph_calls} graphs (graph breaks); fullgraph=True keeps it one")
+            self.run_eagerly(
+                f"it ran {self.graph_calls} compiled graphs in one iteration (graph breaks, or more than one call), and "
+                "one scale vector is matched to one graph"
+            )
             return
         inputs, outputs = self._eager_call
         index = {node: i for i, node in enumerate(graph.nodes)}

@@ -201,7 +201,7 @@ def test_a_model_with_a_graph_break_runs_eagerly_with_per_layer_scales() -> None
     _train(_whole(_fresh(BrokenMLP)), None, shape, plain)
     model = _whole(_fresh(BrokenMLP))
     scaler = GradientScaler(model, update_interval=UPDATE_INTERVAL)
-    with pytest.warns(RuntimeWarning, match="runs eagerly from now on.*2 graphs"):
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on.*2 compiled graphs"):
         _train(model, scaler, shape, scaled)
     for (grads, _), (plain_grads, _) in zip(scaled, plain):
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
@@ -265,3 +265,19 @@ def test_gradient_accumulation_through_a_compiled_model_stays_exact() -> None:
             F.cross_entropy(plain(x), y).backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
     assert scaler._compiled[0]._vectors and any(s > 1 for s in scaler.scales().values())
+
+
+def test_a_compiled_module_called_twice_per_iteration_runs_eagerly_with_per_layer_scales() -> None:
+    """A siamese use: two calls, two regions in the loss's graph; one scale vector per module cannot serve both."""
+    torch._dynamo.reset()
+    model, plain = _whole(_fresh(MLP)), _whole(_fresh(MLP))
+    scaler = GradientScaler(model, update_interval=UPDATE_INTERVAL)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on.*more than one call"):
+        for iteration in range(3):
+            x, y = _batch(INPUTS[MLP], iteration)
+            model.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
+            scaler.backward(F.cross_entropy(model(x) + model(2 * x), y))
+            F.cross_entropy(plain(x) + plain(2 * x), y).backward()
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert all(layer.kind != "opaque" for layer in scaler.layers())

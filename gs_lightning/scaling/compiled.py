@@ -44,8 +44,13 @@ if TYPE_CHECKING:
 
 COMPILED_NODE = "CompiledFunctionBackward"
 _TRACE_LEAVES = (LEAF, "Error")  # AOTAutograd's traced inputs show as Error nodes where eager has AccumulateGrad
-# Operators AOTAutograd's trace records under another autograd node than eager (functionalized variants).
-_EAGER_NAME = {"NativeBatchNormLegitBackward0": "NativeBatchNormBackward0"}
+# Operators AOTAutograd's trace records under another autograd node than eager (functionalized variants;
+# dropout, which eager runs on the CPU as a multiply by a mask that needs no gradient).
+_EAGER_NAME = {
+    "NativeBatchNormLegitBackward0": "NativeBatchNormBackward0",
+    "NativeBatchNormLegitBackward1": "NativeBatchNormBackward0",  # without running statistics (InstanceNorm)
+    "NativeDropoutBackward0": "MulBackward0",
+}
 
 # (kind, node, index): "pre" multiplies the gradient arriving in slot ``index`` of ``node``;
 # "post" the one ``node`` sends on its edge ``index``.
@@ -105,7 +110,7 @@ class ScaledGraph:
         if not roots or not torch.is_grad_enabled():
             return outputs
         graph = walk_from(roots, lambda node: type(node).__name__ in _TRACE_LEAVES)
-        if [_EAGER_NAME.get(name, name) for name in graph.names] != self.names or graph.edges != self.edges:
+        if _as_eager(graph.names, graph.edges) != _as_eager(self.names, self.edges):
             self.traced = False
             return outputs
         pre: dict[int, list[tuple[int, int]]] = {}
@@ -118,6 +123,17 @@ class ScaledGraph:
             multiply = _traced_multiplies(edges, scales)
             graph.nodes[i].register_hook(lambda grad_inputs, grad_outputs, multiply=multiply: multiply(grad_inputs))
         return outputs
+
+
+def _as_eager(names: list[str], edges: list) -> tuple[list[str], list]:
+    """A region's structure as eager would record it: names as in :data:`_EAGER_NAME`, no trailing edges without gradient."""
+    trimmed = []
+    for out in edges:
+        out = list(out)
+        while out and out[-1] is None:
+            out.pop()
+        trimmed.append(out)
+    return [_EAGER_NAME.get(name, name) for name in names], trimmed
 
 
 def _traced_multiplies(places: list[tuple[int, int]], scales: torch.Tensor) -> Callable[[tuple], tuple]:

@@ -281,3 +281,39 @@ def test_a_compiled_module_called_twice_per_iteration_runs_eagerly_with_per_laye
             F.cross_entropy(plain(x) + plain(2 * x), y).backward()
             assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
     assert all(layer.kind != "opaque" for layer in scaler.layers())
+
+
+class NormsAndDropout(nn.Module):
+    """GroupNorm, InstanceNorm and dropout, which AOTAutograd's trace records under other autograd nodes than eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Dropout(0.1),
+            nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.InstanceNorm2d(8, affine=True), nn.GELU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_norms_and_dropout_are_matched_and_replays_stay_exact() -> None:
+    """Replays draw the same dropout masks as the compiled plain model (same seed); the update iterations run the
+    captured graph eagerly, whose dropout draws its masks otherwise, so only replays are compared."""
+    torch._dynamo.reset()
+    model, plain = _whole(_fresh(NormsAndDropout)), _whole(_fresh(NormsAndDropout))
+    scaler = GradientScaler(model, update_interval=UPDATE_INTERVAL)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="GradientScaler")
+        for iteration in range(2 * UPDATE_INTERVAL):
+            x, y = _batch((3, 6, 6), iteration)
+            grads = []
+            for net, backward in ((model, scaler.backward), (plain, torch.Tensor.backward)):
+                net.zero_grad(set_to_none=True)
+                torch.manual_seed(iteration)
+                backward(F.cross_entropy(net(x), y))
+                grads.append([p.grad for p in net.parameters()])
+            if iteration % UPDATE_INTERVAL:
+                assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert scaler._compiled[0]._vectors and any(s > 1 for s in scaler.scales().values())

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import Node
 
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk_from
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, _post_hook, _pre_hook
@@ -68,10 +68,12 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _gradient_edge(tensor: torch.Tensor) -> tuple[Node, int]:
-    """(node, output number) that receives ``tensor``'s gradient."""
-    edge = get_gradient_edge(tensor)
-    return edge.node, edge.output_nr
+def _input_edges(inputs: list[torch.Tensor]) -> dict[tuple[Node, int], int]:
+    """(node, output number) receiving the gradient of each non-leaf input -> its position.
+
+    Leaves (parameters) are matched by identity instead: asking for a leaf's node creates a view.
+    """
+    return {(t.grad_fn, t.output_nr): a for a, t in enumerate(inputs) if t.grad_fn is not None}
 
 
 def _region_roots(outputs: list[torch.Tensor]) -> list[Node]:
@@ -475,14 +477,14 @@ class CompiledModule:
             return
         inputs, outputs = self._eager_call
         index = {node: i for i, node in enumerate(graph.nodes)}
-        boundary = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
+        boundary = {t.grad_fn for t in inputs if t.grad_fn is not None}  # leaves stop the walk by name
         region = walk_from(_region_roots(outputs), lambda node: node in boundary or type(node).__name__ == LEAF)
         nodes = [index.get(node) for node in region.nodes]
         if not region.nodes or None in nodes:
             self.run_eagerly("its outputs do not reach the loss through autograd")
             return
         leaves = {id(graph.nodes[j].variable): j for j, name in enumerate(graph.names) if name == LEAF}
-        edges = {a: _gradient_edge(t) for a, t in enumerate(inputs) if t.requires_grad}
+        edges = {a: edge for edge, a in _input_edges(inputs).items()}
         self.region = _Region(
             region.names,
             region.edges,
@@ -589,7 +591,7 @@ def replay_hooks(
 def _region_exits(graph: AutogradGraph, c: int, module: CompiledModule) -> list[tuple[Any, Any]] | None:
     """(edge of the compiled node, its counterpart in the update's graph) for each gradient leaving the region."""
     region = module.region
-    inputs = {_gradient_edge(t): a for a, t in enumerate(module.compiled_inputs) if t.requires_grad}
+    inputs = _input_edges(module.compiled_inputs)
     exits = []
     for edge in graph.edges[c]:
         if edge is None:

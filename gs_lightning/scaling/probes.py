@@ -19,6 +19,7 @@ refuses those an unpack hook owns (checkpointing); a probe then returns ``None``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -95,11 +96,13 @@ def _sample_counts(samples: Sequence[int], columns: int, budget: int) -> tuple[l
     return counts, min(columns, max(1, budget // math.prod(counts)))
 
 
+@functools.lru_cache(maxsize=4096)
 def _spread(size: int, count: int, device: torch.device, shift: int = 0, shifts: int = 1) -> torch.Tensor:
-    """``count`` indices evenly spread over ``range(size)``, deterministic.
+    """``count`` indices evenly spread over ``range(size)``, deterministic (never write to the result).
 
     The ``shift``-th of ``shifts`` such sets is offset by that fraction of the spacing: together
-    the sets cover ``min(size, count · shifts)`` distinct indices.
+    the sets cover ``min(size, count · shifts)`` distinct indices. Cached: every update asks for
+    the same sets, and building one takes five small kernels.
     """
     return (torch.arange(count, device=device) * size + shift * size // shifts) // count % size
 

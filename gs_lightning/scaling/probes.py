@@ -54,7 +54,7 @@ def probe(
     if compute is None or grad is None:
         return None
     with torch.no_grad(), _fp32(grad.device):
-        return _at_most(compute(node, grad.detach().float(), edge, operand, elements), elements)
+        return _at_most(compute(node, detached(grad).float(), edge, operand, elements), elements)
 
 
 def _at_most(values: torch.Tensor | None, elements: int) -> torch.Tensor | None:
@@ -125,7 +125,13 @@ def _shifts(samples: int, columns: int, count: int) -> int:
 
 
 def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach().float()
+    return None if tensor is None else detached(tensor).float()
+
+
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` cut from autograd; without the ``detach`` kernel where nothing needs it (a gradient in a
+    backward hook does not require grad: only parameters do)."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 # --- Matrix products ---------------------------------------------------------------------------
@@ -136,6 +142,8 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
     grad, right = grad.reshape(-1, *grad.shape[-2:]), right.reshape(-1, *right.shape[-2:])
     batch, rows, cols = grad.shape[0], grad.shape[1], right.shape[1]
     (b, r), c = _sample_counts([batch, rows], cols, elements)
+    if (b, r, c) == (batch, rows, cols):  # the whole of ∇A: the same product without the slicing kernels
+        return _times(alpha, grad @ right.transpose(-1, -2))
     bi, ri = _spread(batch, b, grad.device), _spread(rows, r, grad.device)
     grad, right = grad[bi], right[bi]
     shifts = _shifts(r, cols, c)
@@ -143,7 +151,7 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
         grad[:, ri[t::shifts]] @ right[:, _spread(cols, c, grad.device, t, shifts)].transpose(-1, -2)
         for t in range(shifts)
     ]
-    return alpha * (blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks]))
+    return _times(alpha, blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks]))
 
 
 def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float, elements: int) -> torch.Tensor:
@@ -152,7 +160,12 @@ def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float, elements: 
     batch, rows, cols = grad.shape[0], left.shape[2], grad.shape[2]
     b, r, c = _counts([batch, rows, cols], elements)
     bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
-    return alpha * (left[bi][:, :, ri].transpose(-1, -2) @ grad[bi][:, :, ci])
+    return _times(alpha, left[bi][:, :, ri].transpose(-1, -2) @ grad[bi][:, :, ci])
+
+
+def _times(alpha: float, values: torch.Tensor) -> torch.Tensor:
+    """``alpha · values``, without a kernel for the usual α = 1 (the product would be the same values)."""
+    return values if alpha == 1.0 else alpha * values
 
 
 def _matmul_probe(left_edge: int, right_edge: int, left: str, right: str) -> Callable:
@@ -200,8 +213,8 @@ def _convolution(
     weight = weight.reshape(groups, per_group, -1, *kernel) if transposed else weight.reshape(groups, -1, per_group, *kernel)
     (b,), pairs = _sample_counts([batch], channels, max(1, elements // max(1, math.prod(spatial))))
     g, c = _counts([groups, per_group], pairs)
-    bi = _spread(batch, b, grad.device)
-    grad = grad[bi].reshape(b, groups, -1, *grad.shape[2:])
+    whole = (b, g, c) == (batch, groups, per_group)  # all of ∇X: no index kernel (the copy it made was contiguous)
+    grad = (grad.contiguous() if whole else grad[_spread(batch, b, grad.device)]).reshape(b, groups, -1, *grad.shape[2:])
     shifts = _shifts(b, channels, g * c)
     blocks = []
     for t in range(shifts):

@@ -304,7 +304,7 @@ def _log_add(a: float, b: float) -> float:
 
 
 def _sample(values: torch.Tensor) -> torch.Tensor:
-    flat = values.detach().reshape(-1)
+    flat = (values.detach() if values.requires_grad else values).reshape(-1)
     if flat.numel() > SAMPLE_LIMIT:
         flat = flat[:: math.ceil(flat.numel() / SAMPLE_LIMIT)]
     return flat

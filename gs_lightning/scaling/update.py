@@ -28,7 +28,7 @@ from gs_lightning.scaling.graph import (
     Slot,
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
-from gs_lightning.scaling.probes import probe, rnn_probe
+from gs_lightning.scaling.probes import detached, probe, rnn_probe
 from gs_lightning.scaling.underflow import (
     ExactSample,
     branch_log2_scale,
@@ -113,13 +113,21 @@ def absmax(t: torch.Tensor) -> torch.Tensor:
     """
     if t.numel() == 0:
         return torch.zeros((), device=t.device)
-    low, high = torch.aminmax(t.detach())
+    low, high = torch.aminmax(memory_order(detached(t)))
     return torch.maximum(-low, high).float()
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its dimensions in memory order, a free view, where that makes it contiguous (a transposed
+    weight and its gradient): a reduction over a transposed view measured 15x slower on a CPU."""
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    permuted = t.permute(order)
+    return permuted if permuted.is_contiguous() else t
 
 
 def extremes(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The smallest and largest element (one kernel; both finite iff every element is), for a finiteness flag read later."""
-    return tuple(torch.aminmax(t.detach())) if t.numel() else ()
+    return tuple(torch.aminmax(memory_order(detached(t)))) if t.numel() else ()
 
 
 Warn = Callable[[str, str], None]

@@ -1,7 +1,8 @@
 """A third-party model zoo at small sizes, for the update-cost bench (issue 19), built from configs only.
 
-Four families, each model a :class:`ZooModel` whose ``build()`` returns the network in training
-mode and a closure that runs one forward on a fixed synthetic batch and returns its loss:
+Four families, each model a :class:`ZooModel` whose ``build(batch_scale)`` returns the network in
+training mode and a closure that runs one forward on a fixed synthetic batch (the sizes below
+times ``batch_scale`` samples) and returns its loss:
 
 * ``torchvision``  classifiers of ``torchvision.models.list_models()`` (a representative subset
   by default, every one with ``every_torchvision=True``), batch 2 at 32x32 (64x64 for all)
@@ -48,17 +49,17 @@ _RNN_BATCH, _RNN_LENGTH, _RNN_INPUT, _RNN_HIDDEN = 8, 32, 32, 128
 
 @dataclass(frozen=True)
 class ZooModel:
-    """One model of the zoo: ``build()`` -> (network in training mode, its forward-and-loss closure)."""
+    """One model of the zoo: ``build(batch_scale)`` -> (network in training mode, its forward-and-loss closure)."""
 
     family: str
     name: str
-    build: Callable[[], tuple[nn.Module, Forward]]
+    build: Callable[[int], tuple[nn.Module, Forward]]
 
 
-def _classifier(model: nn.Module, size: int) -> tuple[nn.Module, Forward]:
+def _classifier(model: nn.Module, size: int, batch: int) -> tuple[nn.Module, Forward]:
     generator = torch.Generator().manual_seed(0)
-    images = torch.randn(_BATCH, 3, size, size, generator=generator)
-    labels = torch.randint(0, _NUM_CLASSES, (_BATCH,), generator=generator)
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator)
     model.train()
 
     def forward() -> Tensor:
@@ -69,24 +70,25 @@ def _classifier(model: nn.Module, size: int) -> tuple[nn.Module, Forward]:
     return model, forward
 
 
-def _torchvision(name: str, size: int) -> tuple[nn.Module, Forward]:
+def _torchvision(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
     kwargs: dict = {"num_classes": _NUM_CLASSES}
     if name.startswith("vit_"):
         kwargs["image_size"] = size
     if name in ("inception_v3", "googlenet"):
         kwargs |= {"aux_logits": False, "init_weights": True}
-    return _classifier(torchvision.models.get_model(name, weights=None, **kwargs), max(size, 75) if name == "inception_v3" else size)
+    model = torchvision.models.get_model(name, weights=None, **kwargs)
+    return _classifier(model, max(size, 75) if name == "inception_v3" else size, _BATCH * scale)
 
 
-def _timm(name: str) -> tuple[nn.Module, Forward]:
+def _timm(name: str, scale: int) -> tuple[nn.Module, Forward]:
     import timm
 
     kwargs = {"img_size": 32} if "vit" in name else {}
-    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), 32)
+    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), 32, _BATCH * scale)
 
 
-def _tokens(length: int = _LENGTH) -> Tensor:
-    return torch.randint(0, _VOCAB, (_BATCH, length), generator=torch.Generator().manual_seed(0))
+def _tokens(batch: int, length: int = _LENGTH) -> Tensor:
+    return torch.randint(0, _VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
 def _language_model(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[nn.Module, Forward]:
@@ -94,46 +96,47 @@ def _language_model(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[nn.Mod
     return model, lambda: model(**inputs).loss
 
 
-def _bert(attention: str) -> tuple[nn.Module, Forward]:
+def _bert(attention: str, scale: int) -> tuple[nn.Module, Forward]:
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=_VOCAB, hidden_size=_HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=4 * _HIDDEN,
                         max_position_embeddings=_LENGTH, num_labels=_NUM_CLASSES, attn_implementation=attention)  # fmt: skip
-    labels = torch.randint(0, _NUM_CLASSES, (_BATCH,), generator=torch.Generator().manual_seed(1))
-    return _language_model(BertForSequenceClassification(config), {"input_ids": _tokens(), "labels": labels})
+    labels = torch.randint(0, _NUM_CLASSES, (_BATCH * scale,), generator=torch.Generator().manual_seed(1))
+    return _language_model(BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels})
 
 
-def _gpt2() -> tuple[nn.Module, Forward]:
+def _gpt2(scale: int) -> tuple[nn.Module, Forward]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=_VOCAB, n_embd=_HIDDEN, n_layer=2, n_head=4, n_positions=_LENGTH)
-    tokens = _tokens()
+    tokens = _tokens(_BATCH * scale)
     return _language_model(GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens})
 
 
-def _t5() -> tuple[nn.Module, Forward]:
+def _t5(scale: int) -> tuple[nn.Module, Forward]:
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(vocab_size=_VOCAB, d_model=_HIDDEN, d_kv=_HIDDEN // 4, d_ff=4 * _HIDDEN, num_layers=2, num_heads=4, decoder_start_token_id=0)
-    return _language_model(T5ForConditionalGeneration(config), {"input_ids": _tokens(), "labels": _tokens(_LENGTH // 4)})
+    return _language_model(T5ForConditionalGeneration(config), {"input_ids": _tokens(_BATCH * scale), "labels": _tokens(_BATCH * scale, _LENGTH // 4)})
 
 
-def _hf_vit() -> tuple[nn.Module, Forward]:
+def _hf_vit(scale: int) -> tuple[nn.Module, Forward]:
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(image_size=32, patch_size=4, hidden_size=_HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=4 * _HIDDEN, num_labels=_NUM_CLASSES)  # fmt: skip
-    return _classifier(ViTForImageClassification(config), 32)
+    return _classifier(ViTForImageClassification(config), 32, _BATCH * scale)
 
 
-def _whisper() -> tuple[nn.Module, Forward]:
+def _whisper(scale: int) -> tuple[nn.Module, Forward]:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     config = WhisperConfig(vocab_size=_VOCAB, d_model=_HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                            decoder_attention_heads=4, encoder_ffn_dim=4 * _HIDDEN, decoder_ffn_dim=4 * _HIDDEN, num_mel_bins=16,
                            max_source_positions=_LENGTH, max_target_positions=_LENGTH, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
-    features = torch.randn(_BATCH, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0))  # 2 × max_source_positions frames
-    return _language_model(WhisperForConditionalGeneration(config), {"input_features": features, "labels": _tokens(_LENGTH // 4)})
+    features = torch.randn(_BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0))  # 2 × max_source_positions frames
+    labels = _tokens(_BATCH * scale, _LENGTH // 4)
+    return _language_model(WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels})
 
 
 class PackedRNNClassifier(nn.Module):
@@ -152,21 +155,22 @@ class PackedRNNClassifier(nn.Module):
         return self.head(torch.cat(list(h[-directions:]), dim=-1))
 
 
-def _rnn(rnn: nn.RNNBase) -> tuple[nn.Module, Forward]:
+def _rnn(rnn: nn.RNNBase, scale: int) -> tuple[nn.Module, Forward]:
     generator = torch.Generator().manual_seed(0)
-    sequences = torch.randn(_RNN_LENGTH, _RNN_BATCH, rnn.input_size, generator=generator)
-    lengths = torch.linspace(_RNN_LENGTH, 3, _RNN_BATCH).long()  # variable lengths, the longest first
-    labels = torch.randint(0, _NUM_CLASSES, (_RNN_BATCH,), generator=generator)
+    batch = _RNN_BATCH * scale
+    sequences = torch.randn(_RNN_LENGTH, batch, rnn.input_size, generator=generator)
+    lengths = torch.linspace(_RNN_LENGTH, 3, batch).long()  # variable lengths, the longest first
+    labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator)
     model = PackedRNNClassifier(rnn).train()
     return model, lambda: F.cross_entropy(model(sequences, lengths), labels)
 
 
 def _rnns() -> list[ZooModel]:
     return [
-        ZooModel("rnn", "lstm-2layer-bidirectional", lambda: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, num_layers=2, bidirectional=True))),
-        ZooModel("rnn", "lstm-proj", lambda: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, proj_size=_RNN_HIDDEN // 2))),
-        ZooModel("rnn", "gru-2layer", lambda: _rnn(nn.GRU(_RNN_INPUT, _RNN_HIDDEN, num_layers=2))),
-        ZooModel("rnn", "rnn-tanh-bidirectional", lambda: _rnn(nn.RNN(_RNN_INPUT, _RNN_HIDDEN, bidirectional=True))),
+        ZooModel("rnn", "lstm-2layer-bidirectional", lambda k: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, num_layers=2, bidirectional=True), k)),
+        ZooModel("rnn", "lstm-proj", lambda k: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, proj_size=_RNN_HIDDEN // 2), k)),
+        ZooModel("rnn", "gru-2layer", lambda k: _rnn(nn.GRU(_RNN_INPUT, _RNN_HIDDEN, num_layers=2), k)),
+        ZooModel("rnn", "rnn-tanh-bidirectional", lambda k: _rnn(nn.RNN(_RNN_INPUT, _RNN_HIDDEN, bidirectional=True), k)),
     ]
 
 
@@ -185,13 +189,13 @@ def zoo(families: tuple[str, ...] = FAMILIES, every_torchvision: bool = False, n
     models: list[ZooModel] = []
     if "torchvision" in families:
         chosen, size = (torchvision.models.list_models(module=torchvision.models), 64) if every_torchvision else (TORCHVISION_DEFAULT, 32)
-        models += [ZooModel("torchvision", n, lambda n=n: _torchvision(n, size)) for n in chosen]
+        models += [ZooModel("torchvision", n, lambda k, n=n: _torchvision(n, size, k)) for n in chosen]
     if "timm" in families and importlib.util.find_spec("timm") is not None:
-        models += [ZooModel("timm", n, lambda n=n: _timm(n)) for n in TIMM_DEFAULT]
+        models += [ZooModel("timm", n, lambda k, n=n: _timm(n, k)) for n in TIMM_DEFAULT]
     if "transformers" in families and importlib.util.find_spec("transformers") is not None:
         models += [
-            ZooModel("transformers", "bert-sdpa", lambda: _bert("sdpa")),
-            ZooModel("transformers", "bert-eager", lambda: _bert("eager")),
+            ZooModel("transformers", "bert-sdpa", lambda k: _bert("sdpa", k)),
+            ZooModel("transformers", "bert-eager", lambda k: _bert("eager", k)),
             ZooModel("transformers", "gpt2", _gpt2),
             ZooModel("transformers", "t5", _t5),
             ZooModel("transformers", "vit", _hf_vit),

@@ -16,6 +16,7 @@ ratio per family.
     PYTHONPATH=$PWD:/tmp/zoo_pkgs python bench/update_cost.py            # default zoo, a few minutes
     python bench/update_cost.py --all --families torchvision             # every list_models() classifier
     python bench/update_cost.py --models resnet18 gpt2 --dump-layers layers.json
+    python bench/update_cost.py --batch-scale 8                          # 8x the batches: fixed costs weigh less
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from _zoo import FAMILIES, Forward, ZooModel, zoo
+from _zoo import FAMILIES, ZooModel, zoo
 from gs_lightning import GradientScaler
 
 METHODS = ("plain", "update", "replay")
@@ -72,12 +73,12 @@ def _scaled_backward(scaler: GradientScaler, loss: torch.Tensor) -> None:
     scaler.update()
 
 
-def measure(entry: ZooModel, rounds: int, warmup: int = 1) -> Measurement:
+def measure(entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1) -> Measurement:
     """Time plain, update and replay backwards of one zoo model and check their gradients are equal."""
     result = Measurement(entry.family, entry.name)
     try:
         torch.manual_seed(0)
-        model, forward = entry.build()
+        model, forward = entry.build(batch_scale)
         update = GradientScaler(model, update_interval=1)
         replay = GradientScaler(model, update_interval=10**9)
         backward: dict[str, Callable[[torch.Tensor], None]] = {
@@ -150,11 +151,12 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--models", nargs="+", default=[], help="only these models (names as in the table)")
     parser.add_argument("--all", action="store_true", help="every torchvision list_models() classifier, at 64x64")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per model (after one warm-up round)")
+    parser.add_argument("--batch-scale", type=int, default=1, help="multiply every model's batch (bench/_zoo.py) by this")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds < 1 or args.batch_scale < 1:
+        parser.error(f"--rounds and --batch-scale must be at least 1, got {args.rounds} and {args.batch_scale}")
 
     torch.set_num_threads(args.threads)
     models = zoo(tuple(args.families), every_torchvision=args.all, names=tuple(args.models))
@@ -163,9 +165,9 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     results = []
     for entry in models:
         start = time.perf_counter()
-        results.append(measure(entry, args.rounds))
+        results.append(measure(entry, args.rounds, args.batch_scale))
         print(f"{entry.family}/{entry.name}: {time.perf_counter() - start:.1f} s", flush=True)
-    print(f"\nfp32, {args.threads} CPU thread(s), median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
+    print(f"\nfp32, {args.threads} CPU thread(s), batch x{args.batch_scale}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
     print(report(results))
     if args.dump_layers:
         with open(args.dump_layers, "w") as f:

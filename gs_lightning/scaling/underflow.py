@@ -281,11 +281,12 @@ class ExactSample:
         return below_count / self._count if self._count else 0.0
 
 
+@functools.lru_cache(maxsize=4096)
 def confident_rank(n: int, rate: float, risk: float) -> int:
     """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none).
 
     Then the k-th smallest of n samples lies below the distribution's ``rate`` quantile with
-    probability at least 1 − risk.
+    probability at least 1 − risk. Cached: a probe's sample size repeats at every update.
     """
     log_odds = math.log(rate) - math.log1p(-rate)
     log_pmf = n * math.log1p(-rate)  # P(Binomial = 0)

@@ -149,7 +149,7 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
     if (b, r, c) == (batch, rows, cols):  # the whole of ∇A: the same product without the slicing kernels
         return _times(alpha, grad @ right.transpose(-1, -2))
     bi, ri = _spread(batch, b, grad.device), _spread(rows, r, grad.device)
-    grad, right = grad[bi], right[bi]
+    grad, right = _take(grad, 0, bi), _take(right, 0, bi)  # no copy of a whole weight (its batch axis has size 1)
     shifts = _shifts(r, cols, c)
     blocks = [
         grad[:, ri[t::shifts]] @ right[:, _spread(cols, c, grad.device, t, shifts)].transpose(-1, -2)
@@ -164,7 +164,7 @@ def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float, elements: 
     batch, rows, cols = grad.shape[0], left.shape[2], grad.shape[2]
     b, r, c = _counts([batch, rows, cols], elements)
     bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
-    return _times(alpha, left[bi][:, :, ri].transpose(-1, -2) @ grad[bi][:, :, ci])
+    return _times(alpha, _take(left, 0, bi)[:, :, ri].transpose(-1, -2) @ _take(grad, 0, bi)[:, :, ci])
 
 
 def _times(alpha: float, values: torch.Tensor) -> torch.Tensor:

@@ -64,5 +64,5 @@ def test_update_iteration_work_per_decision_is_bounded() -> None:
     update = _record(model, x, scaler.backward, 1)
     decisions = len(scaler.layers())
     assert decisions == 3
-    # 2026-12-01: 41 per decision here (77 before the cuts of issue 19, item 5).
+    # 2026-12-01: 38 per decision here (77 before the cuts of issue 19, item 5).
     assert (update.ops - plain.ops) / decisions <= 45, (update.ops, plain.ops, decisions)

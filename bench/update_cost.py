@@ -1,7 +1,7 @@
 """What a GradientScaler update iteration costs against a plain backward, on a third-party model zoo (issue 19).
 
 For every model of ``bench/_zoo.py`` (torchvision classifiers, timm, Hugging Face transformers
-from tiny configs, packed RNNs; timm and transformers only if installed), in fp32 on one CPU
+from small configs, packed RNNs; timm and transformers only if installed), in fp32 on one CPU
 thread, methods interleaved round by round on the same batch, medians of the rounds:
 
 * plain   ``loss.backward()``
@@ -13,6 +13,7 @@ model is also checked for bit-exactness: each ``.grad`` after an update and afte
 iteration must equal plain backward's (``torch.equal``). Prints a row per model and the median
 ratio per family.
 
+    pip install --target /tmp/zoo_pkgs timm transformers                 # optional, not a project dependency
     PYTHONPATH=$PWD:/tmp/zoo_pkgs python bench/update_cost.py            # default zoo, a few minutes
     python bench/update_cost.py --all --families torchvision             # every list_models() classifier
     python bench/update_cost.py --models resnet18 gpt2 --dump-layers layers.json

@@ -146,15 +146,21 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
     grad, right = grad.reshape(-1, *grad.shape[-2:]), right.reshape(-1, *right.shape[-2:])
     batch, rows, cols = grad.shape[0], grad.shape[1], right.shape[1]
     (b, r), c = _sample_counts([batch, rows], cols, elements)
-    if (b, r, c) == (batch, rows, cols):  # the whole of ∇A: the same product without the slicing kernels
-        return _times(alpha, grad @ right.transpose(-1, -2))
     bi, ri = _spread(batch, b, grad.device), _spread(rows, r, grad.device)
-    grad, right = _take(grad, 0, bi), _take(right, 0, bi)  # no copy of a whole weight (its batch axis has size 1)
     shifts = _shifts(r, cols, c)
-    blocks = [
-        grad[:, ri[t::shifts]] @ right[:, _spread(cols, c, grad.device, t, shifts)].transpose(-1, -2)
-        for t in range(shifts)
-    ]
+    if (b, r) == (batch, rows):
+        # Every row: the node's own product (no slicing kernels, no gather of a weight's columns, which
+        # took 0.3 s per group for VGG's 25088x4096 classifier), then each group's columns of it.
+        full = grad @ right.transpose(-1, -2)
+        if c == cols:
+            return _times(alpha, full)
+        blocks = [_take(full[:, ri[t::shifts]], 2, _spread(cols, c, grad.device, t, shifts)) for t in range(shifts)]
+    else:
+        grad, right = _take(grad, 0, bi), _take(right, 0, bi)  # no copy of a whole weight (its batch axis has size 1)
+        blocks = [
+            grad[:, ri[t::shifts]] @ right[:, _spread(cols, c, grad.device, t, shifts)].transpose(-1, -2)
+            for t in range(shifts)
+        ]
     return _times(alpha, blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks]))
 
 

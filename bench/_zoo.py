@@ -70,14 +70,19 @@ def _classifier(model: nn.Module, size: int, batch: int) -> tuple[nn.Module, For
     return model, forward
 
 
+# Classifiers that need a larger input than the zoo's: Inception's stem, MaxViT's 7x7 windows at stride 32.
+_MIN_SIZE = {"inception_v3": 75, "maxvit_t": 224}
+
+
 def _torchvision(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
+    size = max(size, _MIN_SIZE.get(name, 0))
     kwargs: dict = {"num_classes": _NUM_CLASSES}
     if name.startswith("vit_"):
-        kwargs["image_size"] = size
+        patch = int(name.rsplit("_", 1)[1])
+        size = kwargs["image_size"] = -(-size // patch) * patch  # a whole number of patches
     if name in ("inception_v3", "googlenet"):
         kwargs |= {"aux_logits": False, "init_weights": True}
-    model = torchvision.models.get_model(name, weights=None, **kwargs)
-    return _classifier(model, max(size, 75) if name == "inception_v3" else size, _BATCH * scale)
+    return _classifier(torchvision.models.get_model(name, weights=None, **kwargs), size, _BATCH * scale)
 
 
 def _timm(name: str, scale: int) -> tuple[nn.Module, Forward]:

@@ -98,6 +98,20 @@ def product_sum_cdf(x: float, accumulation_length: float) -> float:
         return 0.0
     if math.isinf(x):
         return 1.0
+    step, nodes = _product_sum_grid(accumulation_length)
+    total = 0.0
+    for half_root, density in nodes:
+        total += math.erf(x / half_root) * density
+    return min(1.0, total * step)
+
+
+@functools.lru_cache(maxsize=1024)
+def _product_sum_grid(accumulation_length: float) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """:func:`product_sum_cdf`'s quadrature for one N: the step, and per node (2√U, density of ln U).
+
+    They depend on N only; an update evaluates the rate of every GEMM at its scale, so they are
+    computed once per N (the sum over them then costs a few hundred ``erf``, not ``exp`` besides).
+    """
     shape = accumulation_length / 2.0  # V = 2U, U ~ Gamma(shape, 1); integrate over y = ln U
     spread = 1.0 / math.sqrt(shape)
     step = min(0.1, 0.25 * spread)
@@ -105,12 +119,12 @@ def product_sum_cdf(x: float, accumulation_length: float) -> float:
     lower = math.log(shape) - 12.0 * spread - 40.0 / shape
     upper = math.log(shape + 12.0 * math.sqrt(shape) + 45.0)
     log_norm = -math.lgamma(shape)
-    total = 0.0
+    nodes = []
     for i in range(math.ceil((upper - lower) / step) + 1):
         y = lower + i * step
         u = math.exp(y)
-        total += math.erf(x / (2.0 * math.sqrt(u))) * math.exp(shape * y - u + log_norm)
-    return min(1.0, total * step)
+        nodes.append((2.0 * math.sqrt(u), math.exp(shape * y - u + log_norm)))
+    return step, tuple(nodes)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -213,22 +227,7 @@ def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float
 
     One host synchronisation. Returns ``-inf`` if all values are zero (no scale is needed).
     """
-    _check_target(target)
-    magnitudes = _sample(values).abs().float()
-    nonzero = magnitudes > 0
-    # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
-    fetched = min(magnitudes.numel(), math.floor(target * magnitudes.numel()) + 1)
-    smallest = torch.where(nonzero, magnitudes, math.inf).topk(fetched, largest=False).values
-    count, *smallest_values = torch.cat([nonzero.sum().reshape(1).float(), smallest]).tolist()
-    n = int(count)
-    if n == 0:
-        return -math.inf
-    rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
-    if rank >= 1:
-        threshold = smallest_values[rank - 1]
-    else:
-        threshold = smallest_values[0] * target / -math.expm1(math.log(CONFIDENCE_RISK) / n)
-    return math.log2(lambda_min / threshold)
+    return ExactSample(values).min_log2_scale(lambda_min, target)
 
 
 def sample_underflow_rate(values: torch.Tensor, log2_scale: int, lambda_min: float) -> float:
@@ -236,19 +235,58 @@ def sample_underflow_rate(values: torch.Tensor, log2_scale: int, lambda_min: flo
 
     The measured counterpart of :func:`gemm_underflow_rate`; 0 if all are zero. One host sync.
     """
-    magnitudes = _sample(values).abs().float()
-    nonzero = magnitudes > 0
-    # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
-    below = nonzero & (magnitudes < lambda_min * 2.0 ** -log2_scale)
-    below_count, count = torch.stack([below.sum(), nonzero.sum()]).tolist()
-    return below_count / count if count else 0.0
+    return ExactSample(values).underflow_rate(log2_scale, lambda_min)
 
 
+class ExactSample:
+    """Exact values of a gradient, prepared once for :meth:`min_log2_scale` and :meth:`underflow_rate`.
+
+    An update asks both of every probe (the scale, then the rate measured at the scale chosen):
+    the magnitudes and their nonzero count are taken once, and the rate needs no second count.
+    """
+
+    def __init__(self, values: torch.Tensor) -> None:
+        magnitudes = _sample(values).abs().float()
+        nonzero = magnitudes > 0
+        self._positive = torch.where(nonzero, magnitudes, math.inf)  # zeros (and NaN) never count
+        self._nonzero_count = nonzero.sum()
+        self._count: int | None = None  # the nonzero count, once read
+
+    def min_log2_scale(self, lambda_min: float, target: float) -> float:
+        """:func:`sample_min_log2_scale` of these values."""
+        _check_target(target)
+        positive = self._positive
+        # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
+        fetched = min(positive.numel(), math.floor(target * positive.numel()) + 1)
+        smallest = positive.topk(fetched, largest=False).values
+        count, *smallest_values = torch.cat([self._nonzero_count.reshape(1).float(), smallest]).tolist()
+        n = self._count = int(count)
+        if n == 0:
+            return -math.inf
+        rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
+        if rank >= 1:
+            threshold = smallest_values[rank - 1]
+        else:
+            threshold = smallest_values[0] * target / -math.expm1(math.log(CONFIDENCE_RISK) / n)
+        return math.log2(lambda_min / threshold)
+
+    def underflow_rate(self, log2_scale: int, lambda_min: float) -> float:
+        """:func:`sample_underflow_rate` of these values."""
+        # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
+        below = (self._positive < lambda_min * 2.0**-log2_scale).sum()
+        if self._count is None:
+            below_count, self._count = torch.stack([below, self._nonzero_count]).tolist()
+        else:
+            below_count = below.item()
+        return below_count / self._count if self._count else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
 def confident_rank(n: int, rate: float, risk: float) -> int:
     """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none).
 
     Then the k-th smallest of n samples lies below the distribution's ``rate`` quantile with
-    probability at least 1 − risk.
+    probability at least 1 − risk. Cached: a probe's sample size repeats at every update.
     """
     log_odds = math.log(rate) - math.log1p(-rate)
     log_pmf = n * math.log1p(-rate)  # P(Binomial = 0)
@@ -267,7 +305,7 @@ def _log_add(a: float, b: float) -> float:
 
 
 def _sample(values: torch.Tensor) -> torch.Tensor:
-    flat = values.detach().reshape(-1)
+    flat = (values.detach() if values.requires_grad else values).reshape(-1)
     if flat.numel() > SAMPLE_LIMIT:
         flat = flat[:: math.ceil(flat.numel() / SAMPLE_LIMIT)]
     return flat

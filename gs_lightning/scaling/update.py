@@ -28,16 +28,15 @@ from gs_lightning.scaling.graph import (
     Slot,
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
-from gs_lightning.scaling.probes import probe, rnn_probe
+from gs_lightning.scaling.probes import detached, probe, rnn_probe
 from gs_lightning.scaling.underflow import (
+    ExactSample,
     branch_log2_scale,
     choose_log2_scale,
     gemm_min_log2_scale,
     gemm_sigma,
     gemm_underflow_rate,
     overflow_max_log2_scale,
-    sample_min_log2_scale,
-    sample_underflow_rate,
 )
 
 
@@ -107,15 +106,40 @@ def rms(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(max(t.numel(), 1))
 
 
-def absmax(t: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude, in fp32 (NaN if any element is NaN).
+Extremes = tuple[torch.Tensor, torch.Tensor]  # (smallest, largest) element of a tensor, on its device
 
-    Through ``aminmax``: on a CPU ``vector_norm(ord=inf)`` measured 12-20x slower.
+
+def extremes(t: torch.Tensor) -> Extremes:
+    """The smallest and largest element, in one kernel: both finite iff every element is, NaN if one is.
+
+    Through ``aminmax`` (on a CPU ``vector_norm(ord=inf)`` measured 12-20x slower); the largest
+    magnitude is taken on the host (:func:`magnitudes`), which saves two kernels per tensor.
     """
     if t.numel() == 0:
-        return torch.zeros((), device=t.device)
-    low, high = torch.aminmax(t.detach())
-    return torch.maximum(-low, high).float()
+        zero = torch.zeros((), device=t.device)
+        return zero, zero
+    low, high = torch.aminmax(memory_order(detached(t)))
+    return low, high
+
+
+def magnitude(low: float, high: float) -> float:
+    """The largest magnitude, from :func:`extremes` read to the host (NaN if either is)."""
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+def magnitudes(pairs: list[Extremes]) -> list[float]:
+    """:func:`magnitude` of each pair of :func:`extremes`, in one synchronisation."""
+    values = stats(*(v for pair in pairs for v in pair)) if pairs else []
+    return [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its dimensions in memory order, a free view, where that makes it contiguous (a transposed
+    weight and its gradient): a reduction over a transposed view measured 15x slower on a CPU."""
+    if t.is_contiguous():
+        return t
+    permuted = t.permute(sorted(range(t.dim()), key=t.stride, reverse=True))
+    return permuted if permuted.is_contiguous() else t
 
 
 Warn = Callable[[str, str], None]
@@ -186,7 +210,7 @@ class UpdateRun:
         self.layers: list[LayerScale] = []
         self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
-        self._finite_flags: list[tuple[str, torch.Tensor]] = []
+        self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
 
     def register(self) -> list:
@@ -226,8 +250,14 @@ class UpdateRun:
         """The first layer, in backward order, whose incoming or weight gradient was non-finite."""
         if not self._finite_flags:
             return None
-        finite = torch.stack([flag for _, flag in self._finite_flags]).tolist()
-        return next((name for (name, _), ok in zip(self._finite_flags, finite) if not ok), None)
+        values = [v for _, flag in self._finite_flags for v in flag]
+        finite = torch.isfinite(torch.stack([v.float().to(values[0].device) for v in values])).tolist() if values else []
+        position = 0
+        for name, flag in self._finite_flags:  # a flag is finite iff all its values are
+            if not all(finite[position : position + len(flag)]):
+                return name
+            position += len(flag)
+        return None
 
     # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
     def _pre(self, i: int, grad_outputs: tuple) -> tuple:
@@ -241,22 +271,23 @@ class UpdateRun:
         beta = 0
         if present and i in a.layer_names:
             grad = grads[present[0][0]]
-            self._finite_flags.append((a.layer_names[i], torch.isfinite(absmax(grad))))
-            beta = self._decide(i, grad, [g for _, g in present], alpha)
+            grad_extremes = extremes(grad)  # the decision's statistic, and its finiteness flag
+            self._finite_flags.append((a.layer_names[i], grad_extremes))
+            beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
-    def _decide(self, i: int, grad: torch.Tensor, grads: list[torch.Tensor], alpha: int) -> int:
+    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: int) -> int:
         a, name = self.analysis, self.analysis.layer_names[i]
         if i in a.opaque:
-            return self._opaque_probe(i, grad, alpha)
+            return self._opaque_probe(i, grad_extremes, alpha)
         try:
             if i in a.gemms:
-                return self._gemm_scale(i, grad, alpha)
+                return self._gemm_scale(i, grad, grad_extremes, alpha)
             if i in a.fused:
-                return self._fused_scale(i, grad, alpha, grads)
-            return self._cast_scale(i, grad, alpha)
+                return self._fused_scale(i, grad, grad_extremes, alpha, grads)
+            return self._cast_scale(i, grad, grad_extremes, alpha)
         except Exception as error:  # noqa: BLE001 - never crash training: this node passes its scale through
             node_type = self.graph.names[i]
             self._warn(
@@ -276,7 +307,7 @@ class UpdateRun:
             alpha = self._settle_opaque(i, out, alpha)
         for k in self.analysis.weight_edges.get(i, ()):
             if out[k] is not None:  # the weight gradients a GEMM computed from a finite ∇Y may still overflow
-                self._finite_flags.append((self.analysis.layer_names[i], torch.isfinite(absmax(out[k]))))
+                self._finite_flags.append((self.analysis.layer_names[i], extremes(out[k])))
         for k, edge in enumerate(self.graph.edges[i]):
             if edge is None:
                 continue
@@ -315,7 +346,7 @@ class UpdateRun:
         low_precision_sum = summed and len(parts) > 1 and any(g.dtype in FORMATS for g, _ in parts)
         if len(set(alphas)) == 1 and not low_precision_sum:
             return alphas[0]
-        maxima = stats(*(absmax(g) for g, _ in parts))
+        maxima = magnitudes([extremes(g) for g, _ in parts])
         true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
         largest = sum(true_maxima) if summed else max(true_maxima)
         return self._capped(branch_log2_scale(alphas, largest * 2.0 ** max(self.settings.overflow_margin, REPLAY_HEADROOM_LOG2), self.settings.lambda_max), i)
@@ -348,7 +379,7 @@ class UpdateRun:
             return beta, binding
         return beta, f"overflow of the {upper_name}"
 
-    def _gemm_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+    def _gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
         """Theorem 1 (exact for small N) and the probed output: the larger scale of the two.
 
         The first layer sends no activation gradient on: only its weight gradients bound its scale
@@ -364,18 +395,21 @@ class UpdateRun:
             return self._non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
-        samples = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
-        grad_rms, grad_max, *values = stats(
-            rms(grad), absmax(grad), *(f(op.operand) for _, op in operands for f in (rms, absmax)), *weight_bounds.values()
+        samples = [ExactSample(v) for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
+        grad_rms, *values = stats(
+            rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()
         )
+        grad_max = magnitude(*values[:2])
         if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
             return self._non_finite(i, "gemm", alpha)
-        operand_stats, weight_stats = values[: 2 * len(operands)], dict(zip(weight_bounds, values[2 * len(operands) :]))
+        operand_values, weight_values = values[2 : 2 + 3 * len(operands)], values[2 + 3 * len(operands) :]
+        operand_stats = [v for k in range(len(operands)) for v in (operand_values[3 * k], magnitude(*operand_values[3 * k + 1 : 3 * k + 3]))]
+        weight_stats = dict(zip(weight_bounds, weight_values))
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
         sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
         lower = max(
             [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples],
+            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
             default=-math.inf,
         )
         limits = {
@@ -390,7 +424,7 @@ class UpdateRun:
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
         beta, limited_by = self._choose(i, alpha, lower, limits)
-        measured = [sample_underflow_rate(v, beta, s.lambda_min) for v in samples]
+        measured = [v.underflow_rate(beta, s.lambda_min) for v in samples]
         # default: the first layer sends no activation gradient on, so none of its output can underflow
         rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
         self.layers.append(
@@ -407,25 +441,25 @@ class UpdateRun:
         exact = EXACT_WEIGHT_GRADS[self.graph.names[i]](self.graph.nodes[i], grad)
         if exact is None:
             return math.inf
-        (largest,) = stats(absmax(exact))
+        (largest,) = magnitudes([extremes(exact)])
         return overflow_max_log2_scale(largest * 2.0**WEIGHT_GRAD_MARGIN_LOG2, self.settings.lambda_max)
 
-    def _cast_scale(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+    def _cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
         """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others)."""
-        return self._sampled_scale(i, "cast", [grad], grad, alpha)
+        return self._sampled_scale(i, "cast", [grad], grad_extremes, alpha)
 
-    def _fused_scale(self, i: int, grad: torch.Tensor, alpha: int, grads: list[torch.Tensor]) -> int:
+    def _fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int, grads: list[torch.Tensor]) -> int:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
         node, name = self.graph.nodes[i], self.graph.names[i]
         if name in RNN_NODES:
             kind, samples = "rnn", [rnn_probe(node, grads, k) for k in self.analysis.fused[i]]
         else:
             kind, samples = "attention", [probe(node, grad, k, None) for k in self.analysis.fused[i]]
-        return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad, alpha)
+        return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad_extremes, alpha)
 
-    def _opaque_probe(self, i: int, grad: torch.Tensor, alpha: int) -> int:
+    def _opaque_probe(self, i: int, grad_extremes: Extremes, alpha: int) -> int:
         """An opaque region's scale on its update iteration: its incoming gradient ``OPAQUE_PROBE_HEADROOM_LOG2`` below λmax."""
-        (grad_max,) = stats(absmax(grad))
+        (grad_max,) = magnitudes([grad_extremes])
         upper = overflow_max_log2_scale(grad_max, self.settings.lambda_max)
         beta = math.ceil(upper) - 1 - OPAQUE_PROBE_HEADROOM_LOG2 if math.isfinite(upper) else 0
         ceiling = self._opaque_ceiling(i, alpha)
@@ -443,10 +477,10 @@ class UpdateRun:
         probe, upper_in = self._opaque_probes.pop(i)
         alpha_in, name = alpha - probe, self.analysis.layer_names[i]
         grads = [g for g in out if g is not None and g.is_floating_point()]
-        amaxes = [absmax(g) for g in grads]
-        if amaxes:
-            self._finite_flags.append((name, torch.isfinite(torch.stack([a.to(amaxes[0].device) for a in amaxes])).all()))
-        maxima = stats(*amaxes) if amaxes else []
+        pairs = [extremes(g) for g in grads]
+        if pairs:
+            self._finite_flags.append((name, tuple(v for pair in pairs for v in pair)))
+        maxima = magnitudes(pairs)
         if not all(map(math.isfinite, maxima)):  # the step is skipped; the back-off lowers the probe
             self.layers.append(LayerScale(name, "opaque", probe, alpha, math.nan))
             return alpha
@@ -456,7 +490,7 @@ class UpdateRun:
         beta = beta if ceiling is None else min(beta, ceiling)
         for k, g in enumerate(out):
             out[k] = times_pow2(g, beta - probe) if g is not None and g.is_floating_point() else g
-        rate = max((sample_underflow_rate(g, beta - probe, self.settings.lambda_min) for g in grads if g.numel()), default=math.nan)
+        rate = max((ExactSample(g).underflow_rate(beta - probe, self.settings.lambda_min) for g in grads if g.numel()), default=math.nan)
         self.layers.append(LayerScale(name, "opaque", beta, alpha_in + beta, rate, measured_underflow=rate))
         self.alpha_out[i] = alpha_in + beta
         return alpha_in + beta
@@ -471,18 +505,19 @@ class UpdateRun:
         self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, alpha, math.nan))
         return 0
 
-    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad: torch.Tensor, alpha: int) -> int:
+    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: int) -> int:
         s = self.settings
         if not samples:
             return self._non_finite(i, kind, alpha)
-        (grad_max, *sample_max) = stats(absmax(grad), *(absmax(v) for v in samples))
+        (grad_max, *sample_max) = magnitudes([grad_extremes, *(extremes(v) for v in samples)])
         if not all(map(math.isfinite, (grad_max, *sample_max))):
             return self._non_finite(i, kind, alpha)
-        lower = max(sample_min_log2_scale(v, s.lambda_min, s.underflow_rate) for v in samples)
+        exact = [ExactSample(v) for v in samples]
+        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact)
         limits = {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)}
         for k, m in enumerate(sample_max):
             limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m, s.lambda_max)
         beta, limited_by = self._choose(i, alpha, lower, limits)
-        rate = max(sample_underflow_rate(v, beta, s.lambda_min) for v in samples)
+        rate = max(v.underflow_rate(beta, s.lambda_min) for v in exact)
         self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate, rate, limited_by))
         return beta

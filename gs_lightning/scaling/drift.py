@@ -9,12 +9,12 @@ synchronisation) and read in the one synchronisation ``step()`` already makes fo
   accumulated scale) shrink by a binade, the underflow rate of what that group's layers send on
   roughly doubles: :class:`GradientDrift` asks for an update on the next backward, so
   ``update_interval`` is the longest interval, not a fixed period.
-* **Recent maxima.** An update decides from one batch, but a weight gradient's largest value
+* **Expected maxima.** An update decides from one batch, but a weight gradient's largest value
   varies far more from batch to batch than the small values the underflow target is about (on a
-  converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps). The
-  largest value each weight gradient reached in the last ``window`` steps
-  (:meth:`GradientDrift.recent_maxima`) bounds it at the next update, as Transformer Engine's amax
-  history bounds a tensor's scale.
+  converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps).
+  Each weight gradient's level and the spikes above it in the last ``window`` steps
+  (:meth:`GradientDrift.expected_maxima`) bound it at the next update, as Transformer Engine's
+  amax history bounds a tensor's scale, but following a level that falls.
 * **Overflow.** A non-finite maximum names the parameters whose gradient overflowed; with the
   plan's scales :func:`overflow_caps` lowers only the layers that produced it
   (:class:`LayerBackoff`).
@@ -39,7 +39,9 @@ Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, no
 # Tolerated shrinkage of a scale group's largest gradient below the update that chose its scale,
 # in binades (see the module docstring; README "How it works" has the measurement).
 DRIFT_TOLERANCE_LOG2 = 1.0
-EXP_DECAY = 0.0
+# The level a weight gradient's largest value is judged against: the median of its last this many
+# steps (GradientDrift.expected_maxima).
+LEVEL_STEPS = 8
 # Bits an overflow takes off the accumulated scale of the layers it came from.
 BACKOFF_BITS = 2
 
@@ -76,7 +78,7 @@ class GradientDrift:
     """The largest magnitude of each weight gradient, on update iterations and between them.
 
     Attributes:
-        window: How many steps :meth:`recent_maxima` looks back on.
+        window: How many steps :meth:`expected_maxima` looks back on.
         reference: log2 scale -> (leaf indices, largest magnitude of their gradients) measured on
             the last update iteration.
         recent: For each of the last ``window`` steps, leaf index -> largest magnitude of its
@@ -134,13 +136,27 @@ class GradientDrift:
         self._pending.clear()
         self._update = False
 
-    def recent_maxima(self) -> dict[int, float]:
-        """Leaf index -> the largest magnitude its gradient reached in the last ``window`` steps."""
-        largest: dict[int, float] = {}
-        for age, step in enumerate(reversed(self.recent)):
-            for leaf, value in step.items():
-                largest[leaf] = max(value * 2.0 ** (-EXP_DECAY * age), largest.get(leaf, 0.0))
-        return largest
+    def expected_maxima(self) -> dict[int, float]:
+        """Leaf index -> how large its gradient's largest value is expected to get on the coming batches.
+
+        Its level now (the median of its last :data:`LEVEL_STEPS` log2 maxima) plus the largest spike
+        in the window (how far one step's value rose above the median of the :data:`LEVEL_STEPS`
+        before it). A level, not the window's maximum, so that gradients shrinking as training starts
+        (SSD300's weight gradients by 2^10 in 64 steps) do not hold the scales down; the spikes, so
+        that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the median) is
+        expected. Computed on update iterations only, on the host (one small tensor).
+        """
+        leaves = sorted({leaf for step in self.recent for leaf in step})
+        if not leaves:
+            return {}
+        x = torch.tensor([[math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent] for leaf in leaves],
+                         dtype=torch.float64)
+        # levels[:, t]: the median of the (up to) LEVEL_STEPS steps before step t; the last, of the last ones
+        padded = torch.cat([torch.full((len(leaves), LEVEL_STEPS), math.nan, dtype=torch.float64), x], dim=1)
+        levels = padded.unfold(1, LEVEL_STEPS, 1).nanmedian(dim=-1).values
+        spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
+        expected = torch.exp2(levels[:, -1] + spikes).tolist()
+        return {leaf: value for leaf, value in zip(leaves, expected) if math.isfinite(value)}
 
     def clear_recent(self) -> None:
         """Forget the recent maxima (the graph's structure changed: leaf indices name other tensors)."""

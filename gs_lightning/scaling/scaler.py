@@ -601,7 +601,7 @@ class GradientScaler:
             layer_cap=_log2_floor(self.max_layer_scale),
             total_cap=min(caps) if caps else None,
             node_caps=self._layer_backoff.node_caps() if not path else {},
-            recent_maxima=self._drift.recent_maxima(),
+            expected_maxima=self._drift.expected_maxima(),
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

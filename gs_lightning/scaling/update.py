@@ -54,8 +54,8 @@ class Settings:
         layer_cap: log2 cap on each local scale, or ``None``.
         total_cap: log2 cap on each accumulated scale (user cap and back-off), or ``None``.
         node_caps: Node index -> log2 cap on that node's accumulated scale (per-layer back-off).
-        recent_maxima: Leaf index -> the largest magnitude its gradient reached in recent steps
-            (:meth:`GradientDrift.recent_maxima`): a weight gradient's overflow bound covers them.
+        expected_maxima: Leaf index -> how large its gradient is expected to get on the coming
+            batches (:meth:`GradientDrift.expected_maxima`): a weight gradient's overflow bound.
     """
 
     underflow_rate: float
@@ -65,7 +65,7 @@ class Settings:
     layer_cap: int | None
     total_cap: int | None
     node_caps: Mapping[int, int] = field(default_factory=dict)
-    recent_maxima: Mapping[int, float] = field(default_factory=dict)
+    expected_maxima: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ class LayerScale:
             own gradient) left below λmin at that scale, measured on the update iteration
             (``None`` where nothing was probed).
         limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
-            lower: ``"overflow of <tensor>"`` (``"overflow of the largest recent parameter gradient"``:
-            of the values its weight and bias gradients reached in the last ``update_interval``
-            steps), ``"max_layer_scale"``, ``"accumulated-scale cap"``
+            lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
+            batches"``: the values its weight and bias gradients are expected to reach, from the last
+            ``update_interval`` steps), ``"max_layer_scale"``, ``"accumulated-scale cap"``
             (``max_total_scale``, or the back-off after an overflow no layer could be named for)
             or ``"back-off of this layer"`` (after its gradients overflowed).
     """
@@ -150,12 +150,11 @@ OPAQUE_PROBE_HEADROOM_LOG2 = 12
 # Headroom kept above a weight gradient measured on an update iteration, in binades, for the
 # batches until the next update (README "How it works": chosen on bench/compare_training.py).
 WEIGHT_GRAD_MARGIN_LOG2 = 0.5
-# Headroom kept above the largest value a GEMM's parameter gradients reached in the last
-# update_interval steps (drift.GradientDrift.recent_maxima), in binades: batches beyond it overflow
-# (README "How it works": chosen on bench/compare_training.py).
-RECENT_MAXIMA_MARGIN_LOG2 = 3.0
-RECENT_WEIGHT_GRADIENTS = "largest recent parameter gradient"
-EXP_WEIGHT_UNDERFLOW = 0.0
+# Headroom kept above the largest value a GEMM's parameter gradients are expected to reach before
+# the next update (drift.GradientDrift.expected_maxima), in binades (README "How it works": chosen
+# on bench/compare_training.py).
+EXPECTED_MAXIMA_MARGIN_LOG2 = 3.0
+EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
 
 
 def _exact(limit: str) -> bool:
@@ -374,10 +373,6 @@ class UpdateRun:
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         samples = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
-        if EXP_WEIGHT_UNDERFLOW and weight_bounds and name in EXACT_WEIGHT_GRADS:
-            exact = EXACT_WEIGHT_GRADS[name](node, grad)
-            if exact is not None:
-                samples.append(exact)
         grad_rms, grad_max, *values = stats(
             rms(grad), absmax(grad), *(f(op.operand) for _, op in operands for f in (rms, absmax)), *weight_bounds.values()
         )
@@ -399,10 +394,9 @@ class UpdateRun:
             },
             **{tensor: overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
         }
-        recent = max((s.recent_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
-        if recent > 0.0:
-            # recent maxima are unscaled: the bound on the local scale leaves room for the α it receives
-            limits[RECENT_WEIGHT_GRADIENTS] = overflow_max_log2_scale(recent * 2.0 ** (RECENT_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
+        expected = max((s.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
+        if expected > 0.0:  # unscaled: the bound on the local scale leaves room for the α it receives
+            limits[EXPECTED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(expected * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))

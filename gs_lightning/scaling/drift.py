@@ -1,16 +1,21 @@
-"""Between scale updates: how far the weight gradients drifted, and which layers overflowed.
+"""Between scale updates: how far the weight gradients drifted, how large they were, and which layers overflowed.
 
-Both come from per-tensor norms of the deferred weight gradients, taken right after the fused
-unscale-and-check pass (one ``_foreach_norm`` per distinct scale, no synchronisation) and read
-in the one synchronisation ``step()`` already makes for its found-inf flag.
+All three come from the largest magnitude of each deferred weight gradient, taken right after the
+fused unscale-and-check pass (one ``_foreach_norm(ord=inf)`` per distinct scale, no
+synchronisation) and read in the one synchronisation ``step()`` already makes for its found-inf flag.
 
 * **Drift.** The scales an update chose are the smallest that meet γ' for the gradients of that
   iteration. When the gradients of a scale group (the weight gradients that carry one
   accumulated scale) shrink by a binade, the underflow rate of what that group's layers send on
   roughly doubles: :class:`GradientDrift` asks for an update on the next backward, so
-  ``update_interval`` is the longest interval, not a fixed period. How far they grew instead is
-  kept as the headroom below overflow the next update leaves (:attr:`GradientDrift.headroom_log2`).
-* **Overflow.** A non-finite norm names the parameters whose gradient overflowed; with the
+  ``update_interval`` is the longest interval, not a fixed period.
+* **Expected maxima.** An update decides from one batch, but a weight gradient's largest value
+  varies far more from batch to batch than the small values the underflow target is about (on a
+  converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps).
+  Each weight gradient's level and the spikes above it in the last ``window`` steps
+  (:meth:`GradientDrift.expected_maxima`) bound it at the next update, as Transformer Engine's
+  amax history bounds a tensor's scale, but following a level that falls.
+* **Overflow.** A non-finite maximum names the parameters whose gradient overflowed; with the
   plan's scales :func:`overflow_caps` lowers only the layers that produced it
   (:class:`LayerBackoff`).
 """
@@ -31,12 +36,12 @@ from gs_lightning.scaling.plan import ScalePlan
 
 Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, node by node
 
-# Tolerated shrinkage of a scale group's gradient norm below the update that chose its scale, in
-# binades (see the module docstring; README "How it works" has the measurement).
+# Tolerated shrinkage of a scale group's largest gradient below the update that chose its scale,
+# in binades (see the module docstring; README "How it works" has the measurement).
 DRIFT_TOLERANCE_LOG2 = 1.0
-# Most headroom below overflow that an update keeps for gradients growing between updates, in
-# binades (see :attr:`GradientDrift.headroom_log2`).
-MAX_HEADROOM_LOG2 = 3.0
+# The level a weight gradient's largest value is judged against: the median of its last this many
+# steps (GradientDrift.expected_maxima).
+LEVEL_STEPS = 8
 # Bits an overflow takes off the accumulated scale of the layers it came from.
 BACKOFF_BITS = 2
 
@@ -46,7 +51,7 @@ class DriftReading:
     """What the norms read at a step say.
 
     Attributes:
-        drift_log2: The most binades a scale group's gradient norm fell below its norm at the
+        drift_log2: The most binades a scale group's largest gradient fell below its value at the
             update (negative when every group grew; 0 on an update iteration, NaN when nothing
             was comparable, inf when a group's gradients became all zeros or non-finite).
         non_finite: Leaf indices (in the loss's graph) whose gradient holds inf or NaN.
@@ -70,55 +75,57 @@ class DriftReading:
 
 @dataclass
 class GradientDrift:
-    """Norms of each scale group's weight gradients, on update iterations and between them.
+    """The largest magnitude of each weight gradient, on update iterations and between them.
 
     Attributes:
-        window: How many steps of growth :attr:`headroom_log2` looks back on.
-        reference: log2 scale -> (leaf indices, norm of their gradients) measured on the last
-            update iteration.
-        growth: For each of the last ``window`` steps, the most any scale group's norm grew
-            above its reference, in binades.
+        window: How many steps :meth:`expected_maxima` looks back on.
+        reference: log2 scale -> (leaf indices, largest magnitude of their gradients) measured on
+            the last update iteration.
+        recent: For each of the last ``window`` steps, leaf index -> largest magnitude of its
+            (unscaled) gradient; where it overflowed, λmax over the scale it carried, the least it was.
+        lambda_max: λmax of the gradients' format.
         last: The reading of the last step.
     """
 
     window: int = 100
+    lambda_max: float = math.inf
     reference: dict[int, tuple[tuple[int, ...], float]] = field(default_factory=dict)
-    growth: list[float] = field(default_factory=list)
+    recent: list[dict[int, float]] = field(default_factory=list)
     last: DriftReading = field(default_factory=DriftReading)
     _pending: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = field(default_factory=list, repr=False)
     _update: bool = field(default=False, repr=False)
 
     def measure(self, alpha: int, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
-        """Queue the norms of one scale group's (already unscaled) gradients; nothing is read yet."""
-        self._pending.append((alpha, leaves, list(torch._foreach_norm(grads))))
+        """Queue the largest magnitudes of one scale group's (already unscaled) gradients; nothing is read yet."""
+        self._pending.append((alpha, leaves, list(torch._foreach_norm(grads, math.inf))))
         self._update = self._update or update
 
     def pending(self) -> list[torch.Tensor]:
-        """The queued norms (0-dim tensors), to read in the step's synchronisation."""
+        """The queued maxima (0-dim tensors), to read in the step's synchronisation."""
         return [norm for _, _, norms in self._pending for norm in norms]
 
     def read(self, values: list[float]) -> DriftReading:
-        """Consume the queued norms, given their values in :meth:`pending`'s order."""
+        """Consume the queued maxima, given their values in :meth:`pending`'s order."""
         groups: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-        position, non_finite = 0, set()
+        position, maxima, at_least = 0, {}, {}
         for alpha, leaves, norms in self._pending:
-            group_leaves, squares = groups[alpha]
+            group_leaves, group_maxima = groups[alpha]
             for leaf, value in zip(leaves, values[position : position + len(norms)]):
                 group_leaves.append(leaf)
-                squares.append(value * value)
-                if not math.isfinite(value):
-                    non_finite.add(leaf)
+                group_maxima.append(value)
+                maxima[leaf] = value
+                at_least[leaf] = value if math.isfinite(value) else self.lambda_max * 2.0**-alpha
             position += len(norms)
-        measured = {alpha: (tuple(sorted(leaves)), math.sqrt(math.fsum(squares))) for alpha, (leaves, squares) in groups.items()}
+        non_finite = {leaf for leaf, value in maxima.items() if not math.isfinite(value)}
+        measured = {alpha: (tuple(sorted(leaves)), _largest(values)) for alpha, (leaves, values) in groups.items()}
         if self._update and not non_finite:
             self.reference, drift = measured, 0.0
         else:
-            shrinks = [_shrink_log2(norm, self.reference[alpha][1]) for alpha, (leaves, norm) in measured.items()
+            shrinks = [_shrink_log2(largest, self.reference[alpha][1]) for alpha, (leaves, largest) in measured.items()
                        if alpha in self.reference and self.reference[alpha][0] == leaves]
             drift = max(shrinks, default=math.nan)
-            growth = max((-x for x in shrinks if math.isfinite(x)), default=None)
-            if growth is not None:
-                self.growth = [*self.growth, growth][-self.window :]
+        if at_least:
+            self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]
         self._pending.clear()
         self._update = False
         self.last = DriftReading(drift, frozenset(non_finite), frozenset(j for leaves, _ in measured.values() for j in leaves))
@@ -129,32 +136,52 @@ class GradientDrift:
         self._pending.clear()
         self._update = False
 
-    @property
-    def headroom_log2(self) -> float:
-        """Binades below overflow for an update to keep: how far the gradients grew above an update's
-        within the last ``window`` steps (at most :data:`MAX_HEADROOM_LOG2`).
+    def expected_maxima(self) -> dict[int, float]:
+        """Leaf index -> how large its gradient's largest value is expected to get on the coming batches.
 
-        An update decides from one batch; when batches differ by more than a binade (a converged
-        task whose gradients come from a few hard examples) a scale at the edge of one batch's
-        range overflows on the next. The growth actually seen is the margin that would have served.
+        Its level now (the median of its last :data:`LEVEL_STEPS` log2 maxima) plus the largest spike
+        in the window (how far one step's value rose above the median of the :data:`LEVEL_STEPS`
+        before it). A level, not the window's maximum, so that gradients shrinking as training starts
+        (SSD300's weight gradients by 2^10 in 64 steps) do not hold the scales down; the spikes, so
+        that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the median) is
+        expected. Computed on update iterations only, on the host (one small tensor).
         """
-        return min(max(max(self.growth, default=0.0), 0.0), MAX_HEADROOM_LOG2)
+        leaves = sorted({leaf for step in self.recent for leaf in step})
+        if not leaves:
+            return {}
+        x = torch.tensor([[math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent] for leaf in leaves],
+                         dtype=torch.float64)
+        # levels[:, t]: the median of the (up to) LEVEL_STEPS steps before step t; the last, of the last ones
+        padded = torch.cat([torch.full((len(leaves), LEVEL_STEPS), math.nan, dtype=torch.float64), x], dim=1)
+        levels = padded.unfold(1, LEVEL_STEPS, 1).nanmedian(dim=-1).values
+        spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
+        expected = torch.exp2(levels[:, -1] + spikes).tolist()
+        return {leaf: value for leaf, value in zip(leaves, expected) if math.isfinite(value)}
+
+    def clear_recent(self) -> None:
+        """Forget the recent maxima (the graph's structure changed: leaf indices name other tensors)."""
+        self.recent.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The reference norms and the recent growth, as plain containers."""
+        """The reference maxima and the recent ones, as plain containers."""
         return {
             "reference": [[alpha, list(leaves), norm] for alpha, (leaves, norm) in sorted(self.reference.items())],
-            "growth": list(self.growth),
+            "recent": [sorted([leaf, value] for leaf, value in step.items()) for step in self.recent],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s reference norms and growth."""
+        """Restore :meth:`state_dict`'s reference and recent maxima."""
         self.reference = {int(alpha): (tuple(int(j) for j in leaves), float(norm)) for alpha, leaves, norm in state.get("reference", [])}
-        self.growth = [float(g) for g in state.get("growth", [])]
+        self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
+
+
+def _largest(values: list[float]) -> float:
+    """The largest of a group's maxima; inf if one is NaN (``max`` would pass it over)."""
+    return math.inf if any(math.isnan(v) for v in values) else max(values)
 
 
 def _shrink_log2(norm: float, reference: float) -> float:
-    """How many binades a group's norm fell below its reference (negative: it grew)."""
+    """How many binades a group's largest gradient fell below its reference (negative: it grew)."""
     if not math.isfinite(norm) or norm <= 0.0:
         return math.inf if norm != reference else 0.0  # non-finite, or all zeros now
     if reference <= 0.0:
@@ -165,12 +192,12 @@ def _shrink_log2(norm: float, reference: float) -> float:
 def unscale_check_and_measure(
     leaves: Iterable[tuple[int, torch.Tensor, int]], drift: GradientDrift | None, update: bool
 ) -> list[torch.Tensor]:
-    """Divide each leaf's ``.grad`` by ``2^alpha``, flag non-finite values, and queue each group's norms.
+    """Divide each leaf's ``.grad`` by ``2^alpha``, flag non-finite values, and queue each gradient's largest magnitude.
 
     ``leaves`` holds (leaf index, leaf variable, alpha). One fused pass
     (``unscale_and_check_``) per scale, device and dtype, all setting one flag per device: the
     memory traffic of ``GradScaler.unscale_``, so ``step`` needs no second pass; with ``drift``,
-    one ``_foreach_norm`` per scale on top. Nothing is synchronised; returns the flags.
+    one ``_foreach_norm(ord=inf)`` per scale on top. Nothing is synchronised; returns the flags.
     """
     by_alpha: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for j, variable, alpha in leaves:
@@ -263,26 +290,32 @@ def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable
     return caps
 
 
+def parameter_leaves(edges: Edges, analysis: GraphAnalysis, i: int) -> list[int]:
+    """The leaves whose gradients GEMM node ``i`` computes (its weight's and bias's, behind their casts)."""
+    leaves = (_leaf_behind(edges, analysis, edges[i][k]) for k in analysis.weight_edges.get(i, ()))
+    return [j for j in leaves if j is not None]
+
+
 def _consumer(edges: Edges, analysis: GraphAnalysis, leaf: int) -> int:
     """The node that computed a leaf's gradient: the GEMM behind a weight's cast or transpose, or its source."""
-    for i, weight_edges in analysis.weight_edges.items():
-        if any(_reaches(edges, edges[i][k], leaf) for k in weight_edges):
+    for i in analysis.weight_edges:
+        if leaf in parameter_leaves(edges, analysis, i):
             return i
     return analysis.leaf_sources[leaf]
 
 
-def _reaches(edges: Edges, edge: Slot | None, leaf: int, hops: int = 4) -> bool:
-    """Whether ``edge`` leads to ``leaf`` through single-edge nodes (a weight's cast, transpose, view)."""
+def _leaf_behind(edges: Edges, analysis: GraphAnalysis, edge: Slot | None, hops: int = 4) -> int | None:
+    """The leaf ``edge`` leads to through single-edge nodes (a weight's cast, transpose, view), if any."""
     for _ in range(hops):
         if edge is None:
-            return False
-        if edge[0] == leaf:
-            return True
+            return None
+        if edge[0] in analysis.leaf_sources:
+            return edge[0]
         onward = [e for e in edges[edge[0]] if e is not None]
         if len(onward) != 1:
-            return False
+            return None
         edge = onward[0]
-    return False
+    return None
 
 
 def _parents(edges: Edges) -> dict[int, list[int]]:

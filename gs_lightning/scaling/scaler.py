@@ -175,7 +175,7 @@ class GradientScaler:
         self._last_skip = 0  # iteration of the last skipped step
         self._layers: dict[str, LayerScale] = {}
         self._first_non_finite: str | None = None
-        self._drift = GradientDrift(window=update_interval)  # norms of each scale group's gradients: an update when they drift
+        self._drift = GradientDrift(window=update_interval, lambda_max=self.format.max)  # largest weight gradients: drift, recent maxima, overflows
         self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
         self._prepared: _PreparedBackward | None = None
         # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
@@ -541,6 +541,7 @@ class GradientScaler:
                 self._plans.clear()
                 self._analyses.clear()
                 self._layer_backoff.clear()
+                self._drift.clear_recent()
             analysis = self._analyses[path] = analyze(graph, self._module_names, exit_leaves)
             self._check_parameters(graph, exit_leaves)
             self._warn_unhandled(graph, analysis)
@@ -667,7 +668,7 @@ class GradientScaler:
             layer_cap=_log2_floor(self.max_layer_scale),
             total_cap=min(caps) if caps else None,
             node_caps=self._layer_backoff.node_caps() if not path else {},
-            overflow_margin=self._drift.headroom_log2,
+            expected_maxima=self._drift.expected_maxima(),
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

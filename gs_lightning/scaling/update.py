@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.graph import (
     BIAS_GRADIENT,
@@ -52,8 +53,8 @@ class Settings:
         layer_cap: log2 cap on each local scale, or ``None``.
         total_cap: log2 cap on each accumulated scale (user cap and back-off), or ``None``.
         node_caps: Node index -> log2 cap on that node's accumulated scale (per-layer back-off).
-        overflow_margin: Binades kept below every overflow bound, for gradients that grow before
-            the next update.
+        expected_maxima: Leaf index -> how large its gradient is expected to get on the coming
+            batches (:meth:`GradientDrift.expected_maxima`): a weight gradient's overflow bound.
     """
 
     underflow_rate: float
@@ -63,7 +64,7 @@ class Settings:
     layer_cap: int | None
     total_cap: int | None
     node_caps: Mapping[int, int] = field(default_factory=dict)
-    overflow_margin: float = 0.0
+    expected_maxima: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ class LayerScale:
             own gradient) left below λmin at that scale, measured on the update iteration
             (``None`` where nothing was probed).
         limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
-            lower: ``"overflow of <tensor>"``, ``"max_layer_scale"``, ``"accumulated-scale cap"``
+            lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
+            batches"``: the values its weight and bias gradients are expected to reach, from the last
+            ``update_interval`` steps), ``"max_layer_scale"``, ``"accumulated-scale cap"``
             (``max_total_scale``, or the back-off after an overflow no layer could be named for)
             or ``"back-off of this layer"`` (after its gradients overflowed).
     """
@@ -171,6 +174,11 @@ OPAQUE_PROBE_HEADROOM_LOG2 = 12
 # Headroom kept above a weight gradient measured on an update iteration, in binades, for the
 # batches until the next update (README "How it works": chosen on bench/compare_training.py).
 WEIGHT_GRAD_MARGIN_LOG2 = 0.5
+# Headroom kept above the largest value a GEMM's parameter gradients are expected to reach before
+# the next update (drift.GradientDrift.expected_maxima), in binades (README "How it works": chosen
+# on bench/compare_training.py).
+EXPECTED_MAXIMA_MARGIN_LOG2 = 3.0
+EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
 
 
 def _exact(limit: str) -> bool:
@@ -349,7 +357,7 @@ class UpdateRun:
         maxima = magnitudes([extremes(g) for g, _ in parts])
         true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
         largest = sum(true_maxima) if summed else max(true_maxima)
-        return self._capped(branch_log2_scale(alphas, largest * 2.0 ** max(self.settings.overflow_margin, REPLAY_HEADROOM_LOG2), self.settings.lambda_max), i)
+        return self._capped(branch_log2_scale(alphas, largest * 2.0**REPLAY_HEADROOM_LOG2, self.settings.lambda_max), i)
 
     def _total_cap(self, i: int) -> int | None:
         caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i)) if c is not None]
@@ -363,7 +371,7 @@ class UpdateRun:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``."""
         s = self.settings
         # Exact bounds keep at least REPLAY_HEADROOM_LOG2 for the replays; the others are loose already.
-        limits = {name: bound - max(s.overflow_margin, REPLAY_HEADROOM_LOG2 if _exact(name) else 0.0) for name, bound in limits.items()}
+        limits = {name: bound - (REPLAY_HEADROOM_LOG2 if _exact(name) else 0.0) for name, bound in limits.items()}
         upper_name, upper = min(limits.items(), key=lambda item: item[1], default=("", math.inf))
         caps = {"max_layer_scale": s.layer_cap}
         if s.total_cap is not None:
@@ -420,6 +428,9 @@ class UpdateRun:
             },
             **{tensor: overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
         }
+        expected = max((s.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
+        if expected > 0.0:  # unscaled: the bound on the local scale leaves room for the α it receives
+            limits[EXPECTED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(expected * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib import import_module
 
 import pytest
@@ -183,3 +184,19 @@ def test_a_compiled_model_set_up_with_fabric_gets_a_scale_for_its_region(fabric_
         assert train(fabric, model, optimizer, steps=3) == [True, True, True]
     (region,) = [layer for layer in plugin.scaler.layers() if layer.kind == "opaque"]
     assert region.log2_scale > 0 and region.log2_total >= 10
+
+
+def test_a_compiled_model_set_up_without_recompiling_gets_per_layer_scales(fabric_package: str) -> None:
+    """``fabric.setup(torch.compile(model), _reapply_compile=False)``: Fabric keeps the user's compiled
+    module, which the plugin then sees, so its layers get their own scales inside the compiled graph
+    (by default Fabric compiles its own wrapper after the plugin has seen the model: one unit, above)."""
+    torch._dynamo.reset()
+    plugin = GradientScalingPlugin()
+    compiled = torch.compile(net(), backend="aot_eager")
+    fabric = import_module(fabric_package).Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9), _reapply_compile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no opaque region, no eager fallback
+        assert train(fabric, model, optimizer, steps=4) == [True, True, True, True]
+    kinds = {layer.name: layer.kind for layer in plugin.scaler.layers()}
+    assert "opaque" not in kinds.values() and [name for name, kind in kinds.items() if kind == "gemm"] == ["2", "0"]

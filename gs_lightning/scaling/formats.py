@@ -16,19 +16,22 @@ class FloatFormat:
         subnormal_min: Smallest positive (subnormal) value; the paper's λmin.
         normal_min: Smallest positive normal value; below it values keep fewer significant bits.
         max: Largest finite value, λmax.
+        saturates: Whether PyTorch's conversion clamps values beyond λmax to ±λmax (float8_e4m3fn has
+            no inf): an overflow then clips the largest values instead of skipping the step.
     """
 
     name: str
     subnormal_min: float
     normal_min: float
     max: float
+    saturates: bool = False
 
 
 FORMATS: dict[torch.dtype, FloatFormat] = {
     torch.float16: FloatFormat("float16", 2.0**-24, 2.0**-14, 65504.0),
     torch.bfloat16: FloatFormat("bfloat16", 2.0**-133, 2.0**-126, 3.3895313892515355e38),
     torch.float8_e5m2: FloatFormat("float8_e5m2", 2.0**-16, 2.0**-14, 57344.0),
-    torch.float8_e4m3fn: FloatFormat("float8_e4m3fn", 2.0**-9, 2.0**-6, 448.0),
+    torch.float8_e4m3fn: FloatFormat("float8_e4m3fn", 2.0**-9, 2.0**-6, 448.0, saturates=True),
 }
 
 

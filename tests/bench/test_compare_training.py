@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
 @pytest.fixture
-def compare_training(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import compare_training
-
-    yield compare_training
-    sys.modules.pop("compare_training", None)
+def compare_training(bench_module):
+    return bench_module("compare_training")
 
 
 def test_quick_runs_every_method_and_reports_it(compare_training, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 # SSD300's GEMM gradients per backward pass: the 12 multibox-head convs and the 8 extra-layer
 # convs (∇W and ∇X each) are fresh; conv1_1..conv7 (15 convs, ∇W each, ∇X but for conv1_1) pretrained.
@@ -18,13 +15,8 @@ HEAD_TENSORS, BACKBONE_TENSORS = 2 * (12 + 8), 15 + 14
 
 
 @pytest.fixture
-def ssd_finetune(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import ssd_finetune
-
-    yield ssd_finetune
-    for name in ("ssd_finetune", "compare_training"):
-        sys.modules.pop(name, None)
+def ssd_finetune(bench_module):
+    return bench_module("ssd_finetune")
 
 
 @pytest.mark.slow  # ~35 s of CPU: data, pretraining and three SSD300 runs

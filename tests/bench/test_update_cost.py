@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
 @pytest.fixture
-def update_cost(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import update_cost
-
-    yield update_cost
-    for name in ("update_cost", "_zoo"):
-        sys.modules.pop(name, None)
+def update_cost(bench_module):
+    return bench_module("update_cost")
 
 
 def test_zoo_model_is_timed_and_bit_exact(update_cost) -> None:

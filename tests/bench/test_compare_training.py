@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+
 @pytest.fixture
 def compare_training(bench_module):
     return bench_module("compare_training")

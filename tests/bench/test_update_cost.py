@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+
 @pytest.fixture
 def update_cost(bench_module):
     return bench_module("update_cost")

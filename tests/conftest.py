@@ -1,11 +1,14 @@
 """Shared tiny pieces for the tests: a Linear classifier LightningModule, its random data and a
-quiet CPU Trainer. Import them as ``from conftest import Classifier, loader, make_trainer``
+quiet CPU Trainer, and the bench scripts (`bench_module`). Import them as ``from conftest import Classifier, loader, make_trainer``
 (pytest puts this folder on ``sys.path``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from importlib import import_module
+from pathlib import Path
+from types import ModuleType
 
 import lightning as L
 import pytest
@@ -106,3 +109,18 @@ def make_trainer(
 def lightning_package(request: pytest.FixtureRequest) -> str:
     """Each Lightning Trainer package in turn: gs_lightning's plugins must work in both."""
     return request.param
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def bench_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], ModuleType]]:
+    """``bench_module(name)`` imports ``bench/<name>.py`` as the top-level module it is when run from
+    ``bench/``; the bench modules it imported are forgotten afterwards."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    before = set(sys.modules)
+    yield import_module
+    for name in set(sys.modules) - before:
+        if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == BENCH:
+            del sys.modules[name]

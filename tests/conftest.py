@@ -1,6 +1,6 @@
 """Shared tiny pieces for the tests: a Linear classifier LightningModule, its random data and a
-quiet CPU Trainer, and the bench scripts (`bench_module`). Import them as ``from conftest import Classifier, loader, make_trainer``
-(pytest puts this folder on ``sys.path``)."""
+quiet CPU Trainer (import them as ``from conftest import Classifier, loader, make_trainer``: pytest
+puts this folder on ``sys.path``), and the ``bench_module`` fixture for the bench scripts."""
 
 from __future__ import annotations
 

@@ -107,16 +107,18 @@ class GradientDrift:
     def read(self, values: list[float]) -> DriftReading:
         """Consume the queued maxima, given their values in :meth:`pending`'s order."""
         groups: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-        position, maxima, at_least = 0, {}, {}
+        position, at_least, non_finite = 0, {}, set()
         for alpha, leaves, norms in self._pending:
             group_leaves, group_maxima = groups[alpha]
             for leaf, value in zip(leaves, values[position : position + len(norms)]):
                 group_leaves.append(leaf)
                 group_maxima.append(value)
-                maxima[leaf] = value
-                at_least[leaf] = value if math.isfinite(value) else self.lambda_max * 2.0**-alpha
+                if math.isfinite(value):
+                    at_least[leaf] = value
+                else:  # it overflowed at 2^alpha: it was at least λmax / 2^alpha
+                    non_finite.add(leaf)
+                    at_least[leaf] = self.lambda_max * 2.0**-alpha
             position += len(norms)
-        non_finite = {leaf for leaf, value in maxima.items() if not math.isfinite(value)}
         measured = {alpha: (tuple(sorted(leaves)), _largest(values)) for alpha, (leaves, values) in groups.items()}
         if self._update and not non_finite:
             self.reference, drift = measured, 0.0
@@ -132,7 +134,7 @@ class GradientDrift:
         return self.last
 
     def discard(self) -> None:
-        """Forget queued norms that no step read (the iteration ended without a step)."""
+        """Forget queued maxima that no step read (the iteration ended without a step)."""
         self._pending.clear()
         self._update = False
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from _training_tasks import BUILDERS, TASKS, Task
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     torch.set_num_threads(args.threads)
     if args.report is not None:
         runs = [Run(**run) for path in args.report for run in json.loads(path.read_text())]
-        return _report(runs, args.plots)
+        return report(runs, args.plots, table, plot)
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
     steps = args.steps if args.steps is not None else (10 if args.quick else 300)
     methods = [METHODS[k] for k in (args.methods or DEFAULT_METHODS)]
@@ -282,14 +282,19 @@ def main(argv: list[str] | None = None) -> list[Run]:
                 if args.json is not None:  # after every run, so that an interrupted table keeps what it has
                     args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
-    return _report(runs, args.plots)
+    return report(runs, args.plots, table, plot)
 
 
-def _report(runs: list[Run], plots: Path | None) -> list[Run]:
-    print(table(runs))
+R = TypeVar("R", bound=Run)
+
+
+def report(runs: list[R], plots: Path | None, make_table: Callable[[list[R]], str],
+           make_plots: Callable[[list[R], Path], list[Path]]) -> list[R]:
+    """Print the runs' table and, with ``plots``, write the plots there (this bench's or another's)."""
+    print(make_table(runs))
     if plots is not None:
         plots.mkdir(parents=True, exist_ok=True)
-        for path in plot(runs, plots):
+        for path in make_plots(runs, plots):
             print(f"wrote {path}")
     return runs
 

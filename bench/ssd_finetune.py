@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _training_tasks import Task, _load
-from compare_training import E5M2, METHODS, Method, Run, _final_loss, _mean_std, add_run_arguments, train
+from compare_training import E5M2, METHODS, Method, Run, _final_loss, _mean_std, add_run_arguments, report, train
 from torch import Tensor, nn
 
 from gs_lightning import GradientScaler
@@ -402,15 +402,6 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
     return [skips_path, scales_path]
 
 
-def _report(runs: list[FinetuneRun], plots: Path | None) -> list[FinetuneRun]:
-    print(table(runs))
-    if plots is not None:
-        plots.mkdir(parents=True, exist_ok=True)
-        for path in plot(runs, plots):
-            print(f"wrote {path}")
-    return runs
-
-
 def main(argv: list[str] | None = None) -> list[FinetuneRun]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny data, width x1/32, 6 steps, 1 seed: every method in < 3 min")
@@ -426,7 +417,7 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
     torch.set_num_threads(args.threads)
     if args.report is not None:
         runs = [FinetuneRun(**run) for path in args.report for run in json.loads(path.read_text())]
-        return _report(runs, args.plots)
+        return report(runs, args.plots, table, plot)
     size = QUICK if args.quick else FULL
     size = replace(size, **{k: v for k, v in (("width", args.width), ("lr", args.lr), ("n_train", args.n_train)) if v is not None})
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 2)
@@ -450,7 +441,7 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
             if args.json is not None:
                 args.json.write_text(json.dumps([asdict(r) for r in runs]))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
-    return _report(runs, args.plots)
+    return report(runs, args.plots, table, plot)
 
 
 if __name__ == "__main__":

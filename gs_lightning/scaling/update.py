@@ -85,7 +85,8 @@ class LayerScale:
         limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
             lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
             batches"``: the values its weight and bias gradients are expected to reach, from the last
-            ``update_interval`` steps), ``"max_layer_scale"``, ``"accumulated-scale cap"``
+            ``update_interval`` steps), :data:`KEPT_DOWNSTREAM` (the layers it feeds are held lower by
+            their parameter gradients), ``"max_layer_scale"``, ``"accumulated-scale cap"``
             (``max_total_scale``, or the back-off after an overflow no layer could be named for)
             or ``"back-off of this layer"`` (after its gradients overflowed).
     """
@@ -179,11 +180,47 @@ WEIGHT_GRAD_MARGIN_LOG2 = 0.5
 # on bench/compare_training.py).
 EXPECTED_MAXIMA_MARGIN_LOG2 = 3.0
 EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
+KEPT_DOWNSTREAM = "scale the layers it feeds keep"
 
 
 def _exact(limit: str) -> bool:
     """Whether an overflow limit (named as in :meth:`UpdateRun._choose`) is exact on the update iteration."""
     return limit in EXACT_LIMITS or limit.startswith("output")
+
+
+def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: Mapping[int, int]) -> dict[int, int]:
+    """Node -> the highest accumulated scale at which any of the gradients it sends on is still used as sent.
+
+    A GEMM whose parameter gradients cap its accumulated scale (``gemm_totals``) scales what it
+    receives down to that cap before computing anything: scale sent to it above the cap protects
+    no value (the multiply by 2^-k loses what the lower scale would have) and is exposed to
+    overflow on every batch in between (ResNet-8's logits gradient, scaled for its smallest values
+    of a converged batch, overflowed on a hard one although the layer it feeds sat 2^5 lower). A
+    gradient reaching a leaf or an uncapped GEMM keeps any scale. Nodes without a finite bound are
+    left out.
+    """
+    kept: dict[int, float] = {}
+
+    def received(node: int) -> float:  # the highest scale a gradient arriving at ``node`` is used at
+        if node in analysis.leaves:
+            return math.inf
+        if node in gemm_totals:
+            return gemm_totals[node]
+        return kept[node]
+
+    # Post-order without recursion: a node's value needs those of the nodes it sends to.
+    stack = [(root, False) for root in range(len(graph.nodes))]
+    while stack:
+        node, ready = stack.pop()
+        if node in kept or node in analysis.leaves:
+            continue
+        targets = [edge[0] for edge in graph.edges[node] if edge is not None]
+        if ready:
+            kept[node] = max((received(t) for t in targets), default=math.inf)
+            continue
+        stack.append((node, True))
+        stack.extend((t, False) for t in targets if t not in kept)
+    return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
 
 
 class UpdateRun:
@@ -220,6 +257,7 @@ class UpdateRun:
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
+        self._kept_downstream = kept_downstream(graph, analysis, self._expected_totals())
 
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles."""
@@ -359,8 +397,17 @@ class UpdateRun:
         largest = sum(true_maxima) if summed else max(true_maxima)
         return self._capped(branch_log2_scale(alphas, largest * 2.0**REPLAY_HEADROOM_LOG2, self.settings.lambda_max), i)
 
+    def _expected_totals(self) -> dict[int, int]:
+        """GEMM node -> the accumulated scale its parameter gradients' expected maxima allow it (as :meth:`_gemm_scale` bounds it)."""
+        s, totals = self.settings, {}
+        for i in self.analysis.gemms:
+            expected = max((s.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
+            if expected > 0.0:
+                totals[i] = math.ceil(overflow_max_log2_scale(expected * 2.0**EXPECTED_MAXIMA_MARGIN_LOG2, s.lambda_max)) - 1
+        return totals
+
     def _total_cap(self, i: int) -> int | None:
-        caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i)) if c is not None]
+        caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self._kept_downstream.get(i)) if c is not None]
         return min(caps) if caps else None
 
     def _capped(self, exponent: int, i: int) -> int:
@@ -378,6 +425,8 @@ class UpdateRun:
             caps["accumulated-scale cap"] = s.total_cap - alpha
         if i in s.node_caps:
             caps["back-off of this layer"] = s.node_caps[i] - alpha
+        if i in self._kept_downstream:
+            caps[KEPT_DOWNSTREAM] = self._kept_downstream[i] - alpha
         caps = {name: cap for name, cap in caps.items() if cap is not None}
         beta = choose_log2_scale(lower, upper, min(caps.values(), default=None))
         if not math.isfinite(lower) or beta >= math.ceil(lower):

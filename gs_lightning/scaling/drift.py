@@ -17,7 +17,7 @@ synchronisation) and read in the one synchronisation ``step()`` already makes fo
   amax history bounds a tensor's scale, but following a level that falls.
 * **Overflow.** A non-finite maximum names the parameters whose gradient overflowed; with the
   plan's scales :func:`overflow_caps` lowers only the layers that produced it
-  (:class:`LayerBackoff`).
+  (:class:`LayerBackoff`), and only their gradients are remembered as spikes.
 """
 
 from __future__ import annotations
@@ -132,6 +132,16 @@ class GradientDrift:
         self._update = False
         self.last = DriftReading(drift, frozenset(non_finite), frozenset(j for leaves, _ in measured.values() for j in leaves))
         return self.last
+
+    def keep_overflows_of(self, leaves: set[int] | frozenset[int]) -> None:
+        """Forget the last step's overflows but those of ``leaves``, where the overflow started.
+
+        A gradient computed from one that had overflowed is non-finite whatever its own size: read
+        as at least λmax over its scale, it would be a spike it never had, holding its layer's scale
+        down for a whole window (SSD300's backbone, after an overflow in a head).
+        """
+        if self.recent:
+            self.recent[-1] = {leaf: v for leaf, v in self.recent[-1].items() if leaf in leaves or leaf not in self.last.non_finite}
 
     def discard(self) -> None:
         """Forget queued maxima that no step read (the iteration ended without a step)."""
@@ -275,21 +285,33 @@ def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable
     it received them at, or higher, gets a cap :data:`BACKOFF_BITS` below its own scale. Nodes in other
     branches keep theirs.
     """
-    bad = {_consumer(plan.edges, analysis, j) for j in non_finite if j in analysis.leaf_sources}
-    if not bad:
-        return {}
     parents = _parents(plan.edges)
-    ancestors = {i: _ancestors(parents, i) for i in bad}
     caps: dict[int, int] = {}
-    for i in bad:
-        if ancestors[i] & (bad - {i}):
-            continue  # non-finite because a node above it was
+    for i in overflow_origins(analysis, plan, non_finite):
         received = max((a for (j, _), a in plan.slot_alpha.items() if j == i), default=plan.alpha_out.get(i, 0))
-        for n in ancestors[i] | {i}:
+        for n in _ancestors(parents, i) | {i}:
             alpha = plan.alpha_out.get(n)
             if alpha is not None and alpha >= received:
                 caps[n] = min(caps.get(n, alpha - BACKOFF_BITS), alpha - BACKOFF_BITS)
     return caps
+
+
+def overflow_origins(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int]) -> set[int]:
+    """The nodes where an overflow between updates started.
+
+    Of the nodes whose parameter gradients were non-finite, those with no such node above them: the
+    others' were non-finite because a gradient they received already was.
+    """
+    bad = {_consumer(plan.edges, analysis, j) for j in non_finite if j in analysis.leaf_sources}
+    parents = _parents(plan.edges)
+    return {i for i in bad if not _ancestors(parents, i) & (bad - {i})}
+
+
+def overflow_leaves(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int]) -> set[int]:
+    """Of the non-finite leaves, those whose gradient overflowed itself: computed at a node of :func:`overflow_origins`."""
+    non_finite = [j for j in non_finite if j in analysis.leaf_sources]
+    origins = overflow_origins(analysis, plan, non_finite)
+    return {j for j in non_finite if _consumer(plan.edges, analysis, j) in origins}
 
 
 def parameter_leaves(edges: Edges, analysis: GraphAnalysis, i: int) -> list[int]:

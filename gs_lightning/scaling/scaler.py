@@ -35,7 +35,7 @@ from torch.autograd.graph import Node
 
 from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerPlan, compiled_modules, replay_hooks
-from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, overflow_caps, unscale_check_and_measure
+from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, overflow_caps, overflow_leaves, unscale_check_and_measure
 from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
@@ -694,6 +694,7 @@ class GradientScaler:
         plan, analysis, reading = self._plans.get(()), self._analyses.get(()), self._drift.last
         known = plan is not None and analysis is not None and reading.some_overflowed
         caps = overflow_caps(analysis, plan, reading.non_finite) if known else {}
+        self._drift.keep_overflows_of(overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset())
         if caps:  # the overflowing layers are known: lower those only
             self._layer_backoff.lower(caps, self._iteration, _MIN_BACKOFF)
         else:

@@ -109,6 +109,9 @@ def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> Non
     before = {layer.name: layer.log2_total for layer in scaler.layers()}
     assert before["b"] > before["a"]  # a back-off of every layer's scale would lower b's
     assert not _step(scaler, optimizer, loss(1e8))  # head a's gradients overflow fp16
+    # The trunk's are non-finite only because head a's ∇X was: not remembered as a spike of its own.
+    remembered = {leaf for leaf, _ in scaler.state_dict()["drift"]["recent"][-1]} & scaler.drift.non_finite
+    assert len(scaler.drift.non_finite) == 4 and len(remembered) == 2  # head a's weight and bias
     assert _step(scaler, optimizer, loss(1.0))  # the next update
     after = {layer.name: layer for layer in scaler.layers()}
     assert after["b"].log2_total == before["b"] and after["b.cast"].log2_total == before["b.cast"]

@@ -220,9 +220,16 @@ class UpdateRun:
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
+        self._every_node_tracked = False
 
     def register(self) -> list:
-        """Register the run's hooks on the graph; returns their handles."""
+        """Register the run's hooks on the graph; returns their handles.
+
+        Pass-through nodes (no decision, no weight gradient, no edge into a branch or an undeferred
+        leaf) get no hook: the scale they forward is looked up when a hooked node needs it
+        (:meth:`_slot_scale`) and filled in by :meth:`complete`. A backward that may skip nodes
+        calls :meth:`track_every_node` instead of relying on that.
+        """
         a = self.analysis
         decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
         handles = []
@@ -231,9 +238,47 @@ class UpdateRun:
                 continue
             if i in decides:
                 handles.append(node.register_prehook(partial(self._pre, i)))
-            if any(e is not None for e in self.graph.edges[i]):
+            if self._needs_post_hook(i):
                 handles.append(node.register_hook(partial(self._post, i)))
         return handles
+
+    def track_every_node(self) -> list:
+        """Post-hooks on the pass-through nodes too, for a backward that does not run every node
+        (``torch.autograd.grad``, ``backward(inputs=...)``): what they forward is recorded as they run,
+        and :meth:`complete` then adds nothing for the nodes that did not. Returns their handles."""
+        self._every_node_tracked = True
+        return [
+            node.register_hook(partial(self._post, i))
+            for i, node in enumerate(self.graph.nodes)
+            if i not in self.analysis.leaves and self._passes_through(i)
+        ]
+
+    def complete(self) -> None:
+        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`."""
+        if self._every_node_tracked:
+            return
+        for i, edges in enumerate(self.graph.edges):
+            if i in self.analysis.leaves or not self._passes_through(i):
+                continue
+            alpha = self._node_scale(i)
+            for edge in edges:
+                if edge is not None and edge[0] not in self.analysis.leaves:
+                    self.slot_alpha[edge] = alpha
+
+    def _needs_post_hook(self, i: int) -> bool:
+        """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
+        settling, a weight gradient's finiteness flag, the factor into a leaf, a branch's sum."""
+        a, deferred = self.analysis, self.leaves.deferred
+        if i in a.opaque or a.weight_edges.get(i):
+            return True
+        return any(
+            edge is not None and (edge[0] not in deferred if edge[0] in a.leaves else edge in a.branch_slots)
+            for edge in self.graph.edges[i]
+        )
+
+    def _passes_through(self, i: int) -> bool:
+        """Whether node ``i`` sends gradients on (it had a post-hook) at the scale it received (it has none now)."""
+        return any(e is not None for e in self.graph.edges[i]) and not self._needs_post_hook(i)
 
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update."""
@@ -271,7 +316,7 @@ class UpdateRun:
     def _pre(self, i: int, grad_outputs: tuple) -> tuple:
         a = self.analysis
         present = [(s, g) for s, g in enumerate(grad_outputs) if g is not None]
-        parts = [(g, self.slot_alpha.get((i, s), 0)) for s, g in present]
+        parts = [(g, self._slot_scale((i, s))) for s, g in present]
         alpha = self._common(parts, i) if parts else 0
         grads = list(grad_outputs)
         for (s, g), (_, a_s) in zip(present, parts):
@@ -306,10 +351,7 @@ class UpdateRun:
 
     # Post-hook: unscale what reaches a leaf, gather what meets at a branch, pass the rest on.
     def _post(self, i: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
-        alpha = self.alpha_out.get(i)
-        if alpha is None:
-            (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
-            alpha = self.alpha_out[i] = self.slot_alpha.get((i, slot), 0)
+        alpha = self._node_scale(i)
         out = list(grad_inputs)
         if i in self._opaque_probes:
             alpha = self._settle_opaque(i, out, alpha)
@@ -326,6 +368,38 @@ class UpdateRun:
             else:
                 self.slot_alpha[edge] = alpha
         return tuple(out)
+
+    def _node_scale(self, i: int) -> int:
+        """The scale node ``i``'s outgoing gradients carry (once it ran): decided in its pre-hook, or the one it received."""
+        alpha = self.alpha_out.get(i)
+        if alpha is None:
+            (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
+            alpha = self.alpha_out[i] = self._slot_scale((i, slot))
+        return alpha
+
+    def _slot_scale(self, slot: Slot) -> int:
+        """The scale of the gradient arriving in ``slot``, once its feeders ran.
+
+        Set where it was decided (a branch's sum, the root); otherwise the scale its one feeder
+        sends, which a pass-through feeder (no hook) received in turn: looked up along the chain of
+        them, and recorded for each on the way.
+        """
+        chain: list[tuple[Slot, int]] = []
+        alpha = self.slot_alpha.get(slot)
+        while alpha is None:
+            feeder = self.analysis.feeders.get(slot)
+            if feeder is None:
+                alpha = 0
+                break
+            chain.append((slot, feeder))
+            alpha = self.alpha_out.get(feeder)
+            if alpha is None:
+                (feeder_slot,) = self.analysis.slots.get(feeder, (0,))  # nodes without a pre-hook have one slot
+                slot = (feeder, feeder_slot)
+                alpha = self.slot_alpha.get(slot)
+        for slot, feeder in chain:
+            self.slot_alpha[slot] = self.alpha_out.setdefault(feeder, alpha)
+        return alpha
 
     def _arrive(self, slot: Slot, grad: torch.Tensor | None, alpha: int) -> torch.Tensor | None:
         """Keep a branch contribution aside; the last one applies the common scale and sends the sum."""

@@ -243,23 +243,39 @@ class ExactSample:
 
     An update asks both of every probe (the scale, then the rate measured at the scale chosen):
     the magnitudes and their nonzero count are taken once, and the rate needs no second count.
+    What :meth:`min_log2_scale` reads (:attr:`nonzero_count` and :meth:`smallest`) can be read
+    with a decision's other statistics, in one synchronisation.
+
+    Attributes:
+        nonzero_count: How many values are nonzero (and not NaN), a 0-dim fp32 tensor (exact:
+            at most :data:`SAMPLE_LIMIT` values are counted).
     """
 
     def __init__(self, values: torch.Tensor) -> None:
         magnitudes = _sample(values).abs().float()
         nonzero = magnitudes > 0
         self._positive = torch.where(nonzero, magnitudes, math.inf)  # zeros (and NaN) never count
-        self._nonzero_count = nonzero.sum()
+        self.nonzero_count = nonzero.sum(dtype=torch.float32)
         self._count: int | None = None  # the nonzero count, once read
 
-    def min_log2_scale(self, lambda_min: float, target: float) -> float:
-        """:func:`sample_min_log2_scale` of these values."""
+    def smallest(self, target: float) -> torch.Tensor:
+        """The smallest magnitudes, as many as any rank :meth:`min_log2_scale` may pick for ``target``."""
         _check_target(target)
         positive = self._positive
         # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
-        fetched = min(positive.numel(), math.floor(target * positive.numel()) + 1)
-        smallest = positive.topk(fetched, largest=False).values
-        count, *smallest_values = torch.cat([self._nonzero_count.reshape(1).float(), smallest]).tolist()
+        return positive.topk(min(positive.numel(), math.floor(target * positive.numel()) + 1), largest=False).values
+
+    def min_log2_scale(self, lambda_min: float, target: float, read: tuple[float, list[float]] | None = None) -> float:
+        """:func:`sample_min_log2_scale` of these values.
+
+        ``read``: :attr:`nonzero_count` and :meth:`smallest` (``target``) as read by the caller;
+        read here if not given.
+        """
+        if read is None:
+            count, *smallest_values = torch.cat([self.nonzero_count.reshape(1), self.smallest(target)]).tolist()
+        else:
+            _check_target(target)
+            count, smallest_values = read
         n = self._count = int(count)
         if n == 0:
             return -math.inf
@@ -275,7 +291,8 @@ class ExactSample:
         # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
         below = (self._positive < lambda_min * 2.0**-log2_scale).sum()
         if self._count is None:
-            below_count, self._count = torch.stack([below, self._nonzero_count]).tolist()
+            below_count, count = torch.stack([below.float(), self.nonzero_count]).tolist()
+            self._count = int(count)
         else:
             below_count = below.item()
         return below_count / self._count if self._count else 0.0

@@ -104,6 +104,21 @@ def stats(*values: torch.Tensor) -> list[float]:
     return torch.stack([v.float() for v in values]).tolist()
 
 
+OrderStatistics = tuple[float, list[float]]  # an ExactSample's nonzero count and smallest values, read
+
+
+def stats_and_samples(values: list[torch.Tensor], samples: list[ExactSample], target: float) -> tuple[list[float], list[OrderStatistics]]:
+    """:func:`stats` of ``values``, and what :meth:`ExactSample.min_log2_scale` reads of each sample, in one synchronisation."""
+    smallest = [v.smallest(target) for v in samples]
+    scalars = torch.stack([v.float() for v in (*values, *(v.nonzero_count for v in samples))])
+    read = torch.cat([scalars, *smallest]).tolist() if smallest else scalars.tolist()
+    counts, position, orders = read[len(values) : len(values) + len(samples)], len(values) + len(samples), []
+    for count, tail in zip(counts, smallest):
+        orders.append((count, read[position : position + tail.numel()]))
+        position += tail.numel()
+    return read[: len(values)], orders
+
+
 def rms(t: torch.Tensor) -> torch.Tensor:
     """Root mean square, accumulated in fp32."""
     return torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(max(t.numel(), 1))
@@ -478,8 +493,10 @@ class UpdateRun:
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         samples = [ExactSample(v) for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
-        grad_rms, *values = stats(
-            rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()
+        (grad_rms, *values), orders = stats_and_samples(
+            [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
+            samples,
+            s.underflow_rate,
         )
         grad_max = magnitude(*values[:2])
         if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
@@ -491,7 +508,7 @@ class UpdateRun:
         sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
         lower = max(
             [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
+            + [v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(samples, orders)],
             default=-math.inf,
         )
         limits = {
@@ -594,11 +611,13 @@ class UpdateRun:
         s = self.settings
         if not samples:
             return self._non_finite(i, kind, alpha)
-        (grad_max, *sample_max) = magnitudes([grad_extremes, *(extremes(v) for v in samples)])
+        exact = [ExactSample(v) for v in samples]
+        pairs = [grad_extremes, *(extremes(v) for v in samples)]
+        values, orders = stats_and_samples([v for pair in pairs for v in pair], exact, s.underflow_rate)
+        (grad_max, *sample_max) = [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
         if not all(map(math.isfinite, (grad_max, *sample_max))):
             return self._non_finite(i, kind, alpha)
-        exact = [ExactSample(v) for v in samples]
-        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact)
+        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(exact, orders))
         limits = {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)}
         for k, m in enumerate(sample_max):
             limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m, s.lambda_max)

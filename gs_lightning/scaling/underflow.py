@@ -254,7 +254,7 @@ class ExactSample:
     def __init__(self, values: torch.Tensor) -> None:
         magnitudes = _sample(values).abs().float()
         nonzero = magnitudes > 0
-        self._positive = torch.where(nonzero, magnitudes, math.inf)  # zeros (and NaN) never count
+        self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
         self.nonzero_count = nonzero.sum(dtype=torch.float32)
         self._count: int | None = None  # the nonzero count, once read
 
@@ -296,6 +296,12 @@ class ExactSample:
         else:
             below_count = below.item()
         return below_count / self._count if self._count else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _infinity(device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 ``inf`` on ``device``, made once (as a Python scalar, ``where`` would make it every call)."""
+    return torch.tensor(math.inf, device=device)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -235,6 +235,7 @@ class UpdateRun:
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
+        self._pass_through: list[int] = []  # nodes that send gradients on at the scale they received, without a hook
         self._every_node_tracked = False
 
     def register(self) -> list:
@@ -255,6 +256,8 @@ class UpdateRun:
                 handles.append(node.register_prehook(partial(self._pre, i)))
             if self._needs_post_hook(i):
                 handles.append(node.register_hook(partial(self._post, i)))
+            elif any(e is not None for e in self.graph.edges[i]):
+                self._pass_through.append(i)
         return handles
 
     def track_every_node(self) -> list:
@@ -262,21 +265,15 @@ class UpdateRun:
         (``torch.autograd.grad``, ``backward(inputs=...)``): what they forward is recorded as they run,
         and :meth:`complete` then adds nothing for the nodes that did not. Returns their handles."""
         self._every_node_tracked = True
-        return [
-            node.register_hook(partial(self._post, i))
-            for i, node in enumerate(self.graph.nodes)
-            if i not in self.analysis.leaves and self._passes_through(i)
-        ]
+        return [self.graph.nodes[i].register_hook(partial(self._post, i)) for i in self._pass_through]
 
     def complete(self) -> None:
         """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`."""
         if self._every_node_tracked:
             return
-        for i, edges in enumerate(self.graph.edges):
-            if i in self.analysis.leaves or not self._passes_through(i):
-                continue
+        for i in self._pass_through:
             alpha = self._node_scale(i)
-            for edge in edges:
+            for edge in self.graph.edges[i]:
                 if edge is not None and edge[0] not in self.analysis.leaves:
                     self.slot_alpha[edge] = alpha
 
@@ -290,10 +287,6 @@ class UpdateRun:
             edge is not None and (edge[0] not in deferred if edge[0] in a.leaves else edge in a.branch_slots)
             for edge in self.graph.edges[i]
         )
-
-    def _passes_through(self, i: int) -> bool:
-        """Whether node ``i`` sends gradients on (it had a post-hook) at the scale it received (it has none now)."""
-        return any(e is not None for e in self.graph.edges[i]) and not self._needs_post_hook(i)
 
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update."""

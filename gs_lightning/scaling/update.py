@@ -231,12 +231,12 @@ class UpdateRun:
         self.alpha_out: dict[int, int] = {}
         self.slot_alpha: dict[Slot, int] = {(0, s): root_alpha for s in analysis.slots[0]}
         self.layers: list[LayerScale] = []
+        self._pass_through: list[int] = []  # nodes that send gradients on at the scale they received, without a hook
+        self._every_node_tracked = False
         self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
-        self._pass_through: list[int] = []  # nodes that send gradients on at the scale they received, without a hook
-        self._every_node_tracked = False
 
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles.

@@ -23,6 +23,7 @@ gs_lightning.analysis.underflow_mc``, γ' = 1e-3, measured underflow at the chos
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from statistics import NormalDist
@@ -257,6 +258,7 @@ class ExactSample:
         self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
         self.nonzero_count = nonzero.sum(dtype=torch.float32)
         self._count: int | None = None  # the nonzero count, once read
+        self._smallest: list[float] = []  # the smallest magnitudes, ascending, once read
 
     def smallest(self, target: float) -> torch.Tensor:
         """The smallest magnitudes, as many as any rank :meth:`min_log2_scale` may pick for ``target``."""
@@ -277,6 +279,7 @@ class ExactSample:
             _check_target(target)
             count, smallest_values = read
         n = self._count = int(count)
+        self._smallest = smallest_values
         if n == 0:
             return -math.inf
         rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
@@ -287,15 +290,28 @@ class ExactSample:
         return math.log2(lambda_min / threshold)
 
     def underflow_rate(self, log2_scale: int, lambda_min: float) -> float:
-        """:func:`sample_underflow_rate` of these values."""
+        """:func:`sample_underflow_rate` of these values.
+
+        Counted on the host, without a pass over the values, where the smallest ones read by
+        :meth:`min_log2_scale` reach the threshold (a scale that meets γ' leaves fewer below it).
+        """
         # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
-        below = (self._positive < lambda_min * 2.0**-log2_scale).sum()
+        threshold = lambda_min * 2.0**-log2_scale
+        if self._smallest and _float32(threshold) <= self._smallest[-1]:  # every value below it was read
+            below_count = sum(value < _float32(threshold) for value in self._smallest)
+            return below_count / self._count if self._count else 0.0
+        below = (self._positive < threshold).sum()
         if self._count is None:
             below_count, count = torch.stack([below.float(), self.nonzero_count]).tolist()
             self._count = int(count)
         else:
             below_count = below.item()
         return below_count / self._count if self._count else 0.0
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to fp32, as a comparison of an fp32 tensor with a Python scalar rounds the scalar."""
+    return ctypes.c_float(value).value
 
 
 @functools.lru_cache(maxsize=64)

@@ -248,15 +248,14 @@ class ExactSample:
     with a decision's other statistics, in one synchronisation.
 
     Attributes:
-        nonzero_count: How many values are nonzero (and not NaN), a 0-dim fp32 tensor (exact:
-            at most :data:`SAMPLE_LIMIT` values are counted).
+        nonzero_count: How many values are nonzero (and not NaN), a 0-dim int64 tensor.
     """
 
     def __init__(self, values: torch.Tensor) -> None:
         magnitudes = _sample(values).abs().float()
         nonzero = magnitudes > 0
         self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
-        self.nonzero_count = nonzero.sum(dtype=torch.float32)
+        self.nonzero_count = nonzero.sum()  # int64: a float32 sum of booleans measured 2.5x slower
         self._count: int | None = None  # the nonzero count, once read
         self._smallest: list[float] = []  # the smallest magnitudes, ascending, once read
 
@@ -274,7 +273,7 @@ class ExactSample:
         read here if not given.
         """
         if read is None:
-            count, *smallest_values = torch.cat([self.nonzero_count.reshape(1), self.smallest(target)]).tolist()
+            count, *smallest_values = torch.cat([self.nonzero_count.reshape(1).float(), self.smallest(target)]).tolist()
         else:
             _check_target(target)
             count, smallest_values = read
@@ -297,13 +296,13 @@ class ExactSample:
         """
         # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
         threshold = lambda_min * 2.0**-log2_scale
-        if self._smallest and _float32(threshold) <= self._smallest[-1]:  # every value below it was read
-            below_count = sum(value < _float32(threshold) for value in self._smallest)
+        compared = _float32(threshold)  # as the kernel compares the fp32 values with it
+        if self._smallest and compared <= self._smallest[-1]:  # every value below it was read
+            below_count = sum(value < compared for value in self._smallest)
             return below_count / self._count if self._count else 0.0
         below = (self._positive < threshold).sum()
         if self._count is None:
-            below_count, count = torch.stack([below.float(), self.nonzero_count]).tolist()
-            self._count = int(count)
+            below_count, self._count = torch.stack([below, self.nonzero_count]).tolist()
         else:
             below_count = below.item()
         return below_count / self._count if self._count else 0.0

@@ -337,6 +337,7 @@ class GraphAnalysis:
         opaque: Nodes this walk cannot see into (custom autograd Functions, compiled regions):
             their gradients pass through with the scale they carry.
         leaf_sources: Leaf index -> the node whose single edge feeds it (leaves fed by one edge).
+        feeders: Slot -> the node whose single edge feeds it (slots of non-leaves fed by one edge).
     """
 
     gemms: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -351,6 +352,7 @@ class GraphAnalysis:
     reentrant: set[int] = field(default_factory=set)
     opaque: set[int] = field(default_factory=set)
     leaf_sources: dict[int, int] = field(default_factory=dict)
+    feeders: dict[Slot, int] = field(default_factory=dict)
 
 
 # How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes.
@@ -452,8 +454,11 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str], data_leaves: fro
             analysis.casts.add(i)
     for i, edges in enumerate(graph.edges):
         for edge in edges:
-            if edge is not None and edge[0] in analysis.leaves and graph.in_counts[edge] == 1:
-                analysis.leaf_sources[edge[0]] = i
+            if edge is not None and graph.in_counts[edge] == 1:
+                if edge[0] in analysis.leaves:
+                    analysis.leaf_sources[edge[0]] = i
+                else:
+                    analysis.feeders[edge] = i
     for i in sorted(analysis.fused.keys() - analysis.layer_names.keys()):
         producer = _nearest_gemm(graph, i, analysis)  # attention is named after its input projection
         analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.attention" if producer is not None else "attention")

@@ -76,18 +76,22 @@ def _fp32(device: torch.device) -> torch.autocast | contextlib.nullcontext:
 # --- Subsets -----------------------------------------------------------------------------------
 
 
-def _counts(sizes: Sequence[int], budget: int) -> list[int]:
-    """How many indices to take along each axis: product ≤ budget, spread as evenly as the sizes allow."""
+@functools.lru_cache(maxsize=4096)
+def _counts(sizes: tuple[int, ...], budget: int) -> tuple[int, ...]:
+    """How many indices to take along each axis: product ≤ budget, spread as evenly as the sizes allow.
+
+    Cached: every update asks again for the same layers' shapes.
+    """
     counts = [1] * len(sizes)
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     for position, axis in enumerate(order):
         remaining = len(sizes) - position
         counts[axis] = max(1, min(sizes[axis], math.floor(budget ** (1.0 / remaining) + 1e-9)))
         budget = max(1, budget // counts[axis])
-    return counts
+    return tuple(counts)
 
 
-def _sample_counts(samples: Sequence[int], columns: int, budget: int) -> tuple[list[int], int]:
+def _sample_counts(samples: tuple[int, ...], columns: int, budget: int) -> tuple[tuple[int, ...], int]:
     """Counts along the sample axes (batch, positions) and along the column axis (features).
 
     Gradients differ most between samples (a well-fit sample's are tiny; a sparse ∇Y row gives a
@@ -133,9 +137,10 @@ def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` cut from autograd; without the ``detach`` kernel where nothing needs it (a gradient in a
-    backward hook does not require grad: only parameters do)."""
-    return tensor.detach() if tensor.requires_grad else tensor
+    """``tensor`` cut from autograd; without the ``detach`` kernel where nothing needs it: a gradient in a
+    backward hook does not require grad (only parameters do), and with grad mode off (in a probe, in a
+    backward that creates no graph) nothing computed from a parameter is recorded."""
+    return tensor.detach() if tensor.requires_grad and torch.is_grad_enabled() else tensor
 
 
 # --- Matrix products ---------------------------------------------------------------------------
@@ -145,7 +150,7 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
     """A slice of ∇A = α ∇Y Bᵀ for Y = A B (leading batch dimensions allowed)."""
     grad, right = grad.reshape(-1, *grad.shape[-2:]), right.reshape(-1, *right.shape[-2:])
     batch, rows, cols = grad.shape[0], grad.shape[1], right.shape[1]
-    (b, r), c = _sample_counts([batch, rows], cols, elements)
+    (b, r), c = _sample_counts((batch, rows), cols, elements)
     bi, ri = _spread(batch, b, grad.device), _spread(rows, r, grad.device)
     shifts = _shifts(r, cols, c)
     if (b, r) == (batch, rows):
@@ -168,7 +173,7 @@ def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float, elements: 
     """A slice of ∇B = α Aᵀ ∇Y for Y = A B (leading batch dimensions allowed)."""
     grad, left = grad.reshape(-1, *grad.shape[-2:]), left.reshape(-1, *left.shape[-2:])
     batch, rows, cols = grad.shape[0], left.shape[2], grad.shape[2]
-    b, r, c = _counts([batch, rows, cols], elements)
+    b, r, c = _counts((batch, rows, cols), elements)
     bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
     return _times(alpha, _take(left, 0, bi)[:, :, ri].transpose(-1, -2) @ _take(grad, 0, bi)[:, :, ci])
 
@@ -218,13 +223,19 @@ def _convolution(
     groups, transposed = node._saved_groups, node._saved_transposed
     batch, channels, spatial = shape[0], shape[1], shape[2:]
     per_group = channels // groups
+    (b,), pairs = _sample_counts((batch,), channels, max(1, elements // max(1, math.prod(spatial))))
+    g, c = _counts((groups, per_group), pairs)
+    stride, padding, dilation, output_padding = node._saved_stride, node._saved_padding, node._saved_dilation, node._saved_output_padding
+    if (b, g, c) == (batch, groups, per_group):  # all of ∇X: the node's own product, without index or view kernels
+        inputs = grad.new_empty(shape)  # only its shape is read
+        grad = grad.contiguous()  # as the copy an index kernel makes
+        return torch.ops.aten.convolution_backward(
+            grad, inputs, weight, None, stride, padding, dilation, transposed, output_padding, groups, [True, False, False]
+        )[0]
     kernel = weight.shape[2:]
     # Input channels index dim 0 of a transposed conv's weight, dim 1 of a conv's.
     weight = weight.reshape(groups, per_group, -1, *kernel) if transposed else weight.reshape(groups, -1, per_group, *kernel)
-    (b,), pairs = _sample_counts([batch], channels, max(1, elements // max(1, math.prod(spatial))))
-    g, c = _counts([groups, per_group], pairs)
-    whole = (b, g, c) == (batch, groups, per_group)  # all of ∇X: no index kernel (the copy it made was contiguous)
-    grad = (grad.contiguous() if whole else grad[_spread(batch, b, grad.device)]).reshape(b, groups, -1, *grad.shape[2:])
+    grad = grad[_spread(batch, b, grad.device)].reshape(b, groups, -1, *grad.shape[2:])
     shifts = _shifts(b, channels, g * c)
     blocks = []
     for t in range(shifts):
@@ -240,11 +251,11 @@ def _convolution(
             grad_t.new_empty((grad_t.shape[0], g * c, *spatial)),  # only its shape is read
             chosen,
             None,
-            node._saved_stride,
-            node._saved_padding,
-            node._saved_dilation,
+            stride,
+            padding,
+            dilation,
             transposed,
-            node._saved_output_padding,
+            output_padding,
             g,
             [True, False, False],
         )
@@ -261,7 +272,7 @@ def _deform_convolution(
         return None
     inputs, weight, offset, mask, bias = (_float(t) for t in saved)
     weight = _float(operand) if operand is not None else weight
-    (b,) = _counts([inputs.shape[0]], max(1, elements // max(1, inputs[0].numel())))
+    (b,) = _counts((inputs.shape[0],), max(1, elements // max(1, inputs[0].numel())))
     bi = _spread(inputs.shape[0], b, grad.device)
     grad_input, *_ = torch.ops.torchvision._deform_conv2d_backward(
         grad[bi], inputs[bi], weight, offset[bi], mask[bi], bias,
@@ -312,10 +323,10 @@ def _attention(
     scale = node._saved_scale if getattr(node, "_saved_scale", None) is not None else 1.0 / math.sqrt(features)
     device = grad.device
     if edge == 0:  # rows of ∇query are independent: a strided subset of them
-        b, h, r = _counts([batch, heads, length], max(1, elements // features))
+        b, h, r = _counts((batch, heads, length), max(1, elements // features))
         query_heads, query_rows = _spread(heads, h, device), _spread(length, r, device)
     else:  # a row of ∇key / ∇value sums over every query row
-        b, h = _counts([batch, kv_heads], max(1, elements // (kv_length * features)))
+        b, h = _counts((batch, kv_heads), max(1, elements // (kv_length * features)))
         query_heads = (_spread(kv_heads, h, device)[:, None] * group + torch.arange(group, device=device)).reshape(-1)
         query_rows = torch.arange(length, device=device)
     bi = _spread(batch, b, device)
@@ -409,7 +420,7 @@ def rnn_probe(
         x = x.transpose(0, 1)
     steps, batch, features = x.shape
     wanted_size = features if edge == 0 else hx.shape[-1] if edge == 5 else cx.shape[-1]
-    (count,) = _counts([batch], max(1, elements // (steps * wanted_size if edge == 0 else wanted_size)))
+    (count,) = _counts((batch,), max(1, elements // (steps * wanted_size if edge == 0 else wanted_size)))
     index = _spread(batch, count, x.device)
     grad_output, grad_hy, grad_cy = (*grads, None, None)[:3]
     if grad_output is not None:

@@ -590,6 +590,7 @@ class GradientScaler:
                 "GradientScaler: torch.autograd.grad (or backward(inputs=...)) through a torch.compile'd module is "
                 "supported on update iterations only, whose forward runs eagerly; use backward() with a compiled model."
             )
+        handles = prepared.run.track_every_node() if prepared.run is not None else []  # before the hooks below, which read it
         targets = {j for j in prepared.leaves.deferred if runs[j] is None}
         for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured
             if i in analysis.leaves or not _will_execute(graph.nodes[i]):
@@ -598,7 +599,6 @@ class GradientScaler:
             if below and not any(_will_execute(graph.nodes[j]) is not False for j in below):
                 targets.add(i)
         source = prepared.run if prepared.run is not None else self._plans[prepared.path]
-        handles = []
         for i, edges in enumerate(graph.edges):
             for k, edge in enumerate(edges):
                 if edge is not None and edge[0] in targets:
@@ -609,6 +609,8 @@ class GradientScaler:
         """Run by the autograd engine once a prepared graph's backward is done."""
         prepared.remove_hooks()
         graph, analysis, run = prepared.graph, prepared.analysis, prepared.run
+        if run is not None:
+            run.complete()
         deferred = prepared.leaves.deferred
         self._flags_read = None
         if prepared.compiled is not None:  # leaf indices and scales of the eager update, which the drift compares with

@@ -23,6 +23,7 @@ gs_lightning.analysis.underflow_mc``, γ' = 1e-3, measured underflow at the chos
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from statistics import NormalDist
@@ -243,24 +244,41 @@ class ExactSample:
 
     An update asks both of every probe (the scale, then the rate measured at the scale chosen):
     the magnitudes and their nonzero count are taken once, and the rate needs no second count.
+    What :meth:`min_log2_scale` reads (:attr:`nonzero_count` and :meth:`smallest`) can be read
+    with a decision's other statistics, in one synchronisation.
+
+    Attributes:
+        nonzero_count: How many values are nonzero (and not NaN), a 0-dim int64 tensor.
     """
 
     def __init__(self, values: torch.Tensor) -> None:
         magnitudes = _sample(values).abs().float()
         nonzero = magnitudes > 0
-        self._positive = torch.where(nonzero, magnitudes, math.inf)  # zeros (and NaN) never count
-        self._nonzero_count = nonzero.sum()
+        self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
+        self.nonzero_count = nonzero.sum()  # int64: a float32 sum of booleans measured 2.5x slower
         self._count: int | None = None  # the nonzero count, once read
+        self._smallest: list[float] = []  # the smallest magnitudes, ascending, once read
 
-    def min_log2_scale(self, lambda_min: float, target: float) -> float:
-        """:func:`sample_min_log2_scale` of these values."""
+    def smallest(self, target: float) -> torch.Tensor:
+        """The smallest magnitudes, as many as any rank :meth:`min_log2_scale` may pick for ``target``."""
         _check_target(target)
         positive = self._positive
         # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
-        fetched = min(positive.numel(), math.floor(target * positive.numel()) + 1)
-        smallest = positive.topk(fetched, largest=False).values
-        count, *smallest_values = torch.cat([self._nonzero_count.reshape(1).float(), smallest]).tolist()
+        return positive.topk(min(positive.numel(), math.floor(target * positive.numel()) + 1), largest=False).values
+
+    def min_log2_scale(self, lambda_min: float, target: float, read: tuple[float, list[float]] | None = None) -> float:
+        """:func:`sample_min_log2_scale` of these values.
+
+        ``read``: :attr:`nonzero_count` and :meth:`smallest` (``target``) as read by the caller;
+        read here if not given.
+        """
+        if read is None:
+            count, *smallest_values = torch.cat([self.nonzero_count.reshape(1).float(), self.smallest(target)]).tolist()
+        else:
+            _check_target(target)
+            count, smallest_values = read
         n = self._count = int(count)
+        self._smallest = smallest_values
         if n == 0:
             return -math.inf
         rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
@@ -271,14 +289,34 @@ class ExactSample:
         return math.log2(lambda_min / threshold)
 
     def underflow_rate(self, log2_scale: int, lambda_min: float) -> float:
-        """:func:`sample_underflow_rate` of these values."""
+        """:func:`sample_underflow_rate` of these values.
+
+        Counted on the host, without a pass over the values, where the smallest ones read by
+        :meth:`min_log2_scale` reach the threshold (a scale that meets γ' leaves fewer below it).
+        """
         # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
-        below = (self._positive < lambda_min * 2.0**-log2_scale).sum()
+        threshold = lambda_min * 2.0**-log2_scale
+        compared = _float32(threshold)  # as the kernel compares the fp32 values with it
+        if self._smallest and compared <= self._smallest[-1]:  # every value below it was read
+            below_count = sum(value < compared for value in self._smallest)
+            return below_count / self._count if self._count else 0.0
+        below = (self._positive < threshold).sum()
         if self._count is None:
-            below_count, self._count = torch.stack([below, self._nonzero_count]).tolist()
+            below_count, self._count = torch.stack([below, self.nonzero_count]).tolist()
         else:
             below_count = below.item()
         return below_count / self._count if self._count else 0.0
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to fp32, as a comparison of an fp32 tensor with a Python scalar rounds the scalar."""
+    return ctypes.c_float(value).value
+
+
+@functools.lru_cache(maxsize=64)
+def _infinity(device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 ``inf`` on ``device``, made once (as a Python scalar, ``where`` would make it every call)."""
+    return torch.tensor(math.inf, device=device)
 
 
 @functools.lru_cache(maxsize=4096)

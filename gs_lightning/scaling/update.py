@@ -105,6 +105,21 @@ def stats(*values: torch.Tensor) -> list[float]:
     return torch.stack([v.float() for v in values]).tolist()
 
 
+OrderStatistics = tuple[float, list[float]]  # an ExactSample's nonzero count and smallest values, read
+
+
+def stats_and_samples(values: list[torch.Tensor], samples: list[ExactSample], target: float) -> tuple[list[float], list[OrderStatistics]]:
+    """:func:`stats` of ``values``, and what :meth:`ExactSample.min_log2_scale` reads of each sample, in one synchronisation."""
+    smallest = [v.smallest(target) for v in samples]
+    scalars = torch.stack([v.float() for v in (*values, *(v.nonzero_count for v in samples))])
+    read = torch.cat([scalars, *smallest]).tolist() if smallest else scalars.tolist()
+    counts, position, orders = read[len(values) : len(values) + len(samples)], len(values) + len(samples), []
+    for count, tail in zip(counts, smallest):
+        orders.append((count, read[position : position + tail.numel()]))
+        position += tail.numel()
+    return read[: len(values)], orders
+
+
 def rms(t: torch.Tensor) -> torch.Tensor:
     """Root mean square, accumulated in fp32."""
     return torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(max(t.numel(), 1))
@@ -253,6 +268,8 @@ class UpdateRun:
         self.alpha_out: dict[int, int] = {}
         self.slot_alpha: dict[Slot, int] = {(0, s): root_alpha for s in analysis.slots[0]}
         self.layers: list[LayerScale] = []
+        self._pass_through: list[int] = []  # nodes that send gradients on at the scale they received, without a hook
+        self._every_node_tracked = False
         self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
@@ -260,7 +277,13 @@ class UpdateRun:
         self._kept_downstream = kept_downstream(graph, analysis, self._expected_totals())
 
     def register(self) -> list:
-        """Register the run's hooks on the graph; returns their handles."""
+        """Register the run's hooks on the graph; returns their handles.
+
+        Pass-through nodes (no decision, no weight gradient, no edge into a branch or an undeferred
+        leaf) get no hook: the scale they forward is looked up when a hooked node needs it
+        (:meth:`_slot_scale`) and filled in by :meth:`complete`. A backward that may skip nodes
+        calls :meth:`track_every_node` instead of relying on that.
+        """
         a = self.analysis
         decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
         handles = []
@@ -269,9 +292,39 @@ class UpdateRun:
                 continue
             if i in decides:
                 handles.append(node.register_prehook(partial(self._pre, i)))
-            if any(e is not None for e in self.graph.edges[i]):
+            if self._needs_post_hook(i):
                 handles.append(node.register_hook(partial(self._post, i)))
+            elif any(e is not None for e in self.graph.edges[i]):
+                self._pass_through.append(i)
         return handles
+
+    def track_every_node(self) -> list:
+        """Post-hooks on the pass-through nodes too, for a backward that does not run every node
+        (``torch.autograd.grad``, ``backward(inputs=...)``): what they forward is recorded as they run,
+        and :meth:`complete` then adds nothing for the nodes that did not. Returns their handles."""
+        self._every_node_tracked = True
+        return [self.graph.nodes[i].register_hook(partial(self._post, i)) for i in self._pass_through]
+
+    def complete(self) -> None:
+        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`."""
+        if self._every_node_tracked:
+            return
+        for i in self._pass_through:
+            alpha = self._node_scale(i)
+            for edge in self.graph.edges[i]:
+                if edge is not None and edge[0] not in self.analysis.leaves:
+                    self.slot_alpha[edge] = alpha
+
+    def _needs_post_hook(self, i: int) -> bool:
+        """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
+        settling, a weight gradient's finiteness flag, the factor into a leaf, a branch's sum."""
+        a, deferred = self.analysis, self.leaves.deferred
+        if i in a.opaque or a.weight_edges.get(i):
+            return True
+        return any(
+            edge is not None and (edge[0] not in deferred if edge[0] in a.leaves else edge in a.branch_slots)
+            for edge in self.graph.edges[i]
+        )
 
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update."""
@@ -309,7 +362,7 @@ class UpdateRun:
     def _pre(self, i: int, grad_outputs: tuple) -> tuple:
         a = self.analysis
         present = [(s, g) for s, g in enumerate(grad_outputs) if g is not None]
-        parts = [(g, self.slot_alpha.get((i, s), 0)) for s, g in present]
+        parts = [(g, self._slot_scale((i, s))) for s, g in present]
         alpha = self._common(parts, i) if parts else 0
         grads = list(grad_outputs)
         for (s, g), (_, a_s) in zip(present, parts):
@@ -344,10 +397,7 @@ class UpdateRun:
 
     # Post-hook: unscale what reaches a leaf, gather what meets at a branch, pass the rest on.
     def _post(self, i: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
-        alpha = self.alpha_out.get(i)
-        if alpha is None:
-            (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
-            alpha = self.alpha_out[i] = self.slot_alpha.get((i, slot), 0)
+        alpha = self._node_scale(i)
         out = list(grad_inputs)
         if i in self._opaque_probes:
             alpha = self._settle_opaque(i, out, alpha)
@@ -364,6 +414,38 @@ class UpdateRun:
             else:
                 self.slot_alpha[edge] = alpha
         return tuple(out)
+
+    def _node_scale(self, i: int) -> int:
+        """The scale node ``i``'s outgoing gradients carry (once it ran): decided in its pre-hook, or the one it received."""
+        alpha = self.alpha_out.get(i)
+        if alpha is None:
+            (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot
+            alpha = self.alpha_out[i] = self._slot_scale((i, slot))
+        return alpha
+
+    def _slot_scale(self, slot: Slot) -> int:
+        """The scale of the gradient arriving in ``slot``, once its feeders ran.
+
+        Set where it was decided (a branch's sum, the root); otherwise the scale its one feeder
+        sends, which a pass-through feeder (no hook) received in turn: looked up along the chain of
+        them, and recorded for each on the way.
+        """
+        chain: list[tuple[Slot, int]] = []
+        alpha = self.slot_alpha.get(slot)
+        while alpha is None:
+            feeder = self.analysis.feeders.get(slot)
+            if feeder is None:
+                alpha = 0
+                break
+            chain.append((slot, feeder))
+            alpha = self.alpha_out.get(feeder)
+            if alpha is None:
+                (feeder_slot,) = self.analysis.slots.get(feeder, (0,))  # nodes without a pre-hook have one slot
+                slot = (feeder, feeder_slot)
+                alpha = self.slot_alpha.get(slot)
+        for slot, feeder in chain:
+            self.slot_alpha[slot] = self.alpha_out.setdefault(feeder, alpha)
+        return alpha
 
     def _arrive(self, slot: Slot, grad: torch.Tensor | None, alpha: int) -> torch.Tensor | None:
         """Keep a branch contribution aside; the last one applies the common scale and sends the sum."""
@@ -453,8 +535,10 @@ class UpdateRun:
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         samples = [ExactSample(v) for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
-        grad_rms, *values = stats(
-            rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()
+        (grad_rms, *values), orders = stats_and_samples(
+            [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
+            samples,
+            s.underflow_rate,
         )
         grad_max = magnitude(*values[:2])
         if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
@@ -466,7 +550,7 @@ class UpdateRun:
         sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
         lower = max(
             [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
+            + [v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(samples, orders)],
             default=-math.inf,
         )
         limits = {
@@ -569,11 +653,13 @@ class UpdateRun:
         s = self.settings
         if not samples:
             return self._non_finite(i, kind, alpha)
-        (grad_max, *sample_max) = magnitudes([grad_extremes, *(extremes(v) for v in samples)])
+        exact = [ExactSample(v) for v in samples]
+        pairs = [grad_extremes, *(extremes(v) for v in samples)]
+        values, orders = stats_and_samples([v for pair in pairs for v in pair], exact, s.underflow_rate)
+        (grad_max, *sample_max) = [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
         if not all(map(math.isfinite, (grad_max, *sample_max))):
             return self._non_finite(i, kind, alpha)
-        exact = [ExactSample(v) for v in samples]
-        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact)
+        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(exact, orders))
         limits = {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)}
         for k, m in enumerate(sample_max):
             limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m, s.lambda_max)

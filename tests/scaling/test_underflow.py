@@ -149,6 +149,21 @@ def test_sample_underflow_rate_counts_nonzero_values_below_lambda() -> None:
     assert underflow.sample_underflow_rate(torch.zeros(3), 5, LAMBDA) == 0.0
 
 
+def test_rate_after_the_scale_counts_as_every_value_does() -> None:
+    """After :meth:`ExactSample.min_log2_scale`, the rate at a scale is counted among the smallest values it read
+    where they reach the threshold: the same counts as a pass over all values, zeros, ties and NaN included."""
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randn(5000, generator=generator) * 2.0**-20
+    values[torch.rand(5000, generator=generator) < 0.2] = 0.0
+    values[:1000] = values[:1000].mul(2.0**30).round().mul(2.0**-30)  # ties
+    values[7] = math.nan
+    for target in (1e-3, 1e-2):
+        sample = underflow.ExactSample(values)
+        chosen = math.ceil(sample.min_log2_scale(LAMBDA, target))
+        for log2_scale in range(chosen - 4, chosen + 4):  # below the scale chosen, more than the values read lie below λmin
+            assert sample.underflow_rate(log2_scale, LAMBDA) == underflow.sample_underflow_rate(values, log2_scale, LAMBDA)
+
+
 def test_sample_min_log2_scale_on_known_values() -> None:
     assert underflow.sample_min_log2_scale(torch.zeros(10), LAMBDA, TARGET) == -math.inf
     # 2^20 values 1..2^20 (scaled): the rank is the confident one, and it leaves ≤ target below λ.

@@ -1,8 +1,8 @@
 """Between scale updates: how far the weight gradients drifted, how large they were, and which layers overflowed.
 
 All three come from the largest magnitude of each deferred weight gradient, taken right after the
-fused unscale-and-check pass (one ``_foreach_norm(ord=inf)`` per distinct scale, no
-synchronisation) and read in the one synchronisation ``step()`` already makes for its found-inf flag.
+fused unscale-and-check pass (:func:`largest_magnitudes`, no synchronisation) and read in the one
+synchronisation ``step()`` already makes for its found-inf flag.
 
 * **Drift.** The scales an update chose are the smallest that meet γ' for the gradients of that
   iteration. When the gradients of a scale group (the weight gradients that carry one
@@ -97,11 +97,11 @@ class GradientDrift:
 
     def measure(self, alpha: int, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
         """Queue the largest magnitudes of one scale group's (already unscaled) gradients; nothing is read yet."""
-        self._pending.append((alpha, leaves, list(torch._foreach_norm(grads, math.inf))))
+        self._pending.append((alpha, leaves, largest_magnitudes(grads)))
         self._update = self._update or update
 
     def pending(self) -> list[torch.Tensor]:
-        """The queued maxima (0-dim tensors), to read in the step's synchronisation."""
+        """The queued statistics (0-dim tensors), to read in the step's synchronisation."""
         return [norm for _, _, norms in self._pending for norm in norms]
 
     def read(self, values: list[float]) -> DriftReading:
@@ -185,6 +185,21 @@ class GradientDrift:
         """Restore :meth:`state_dict`'s reference and recent maxima."""
         self.reference = {int(alpha): (tuple(int(j) for j in leaves), float(norm)) for alpha, leaves, norm in state.get("reference", [])}
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
+
+
+def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's largest magnitude, as 0-dim tensors on its device, nothing read.
+
+    One fused ``_foreach_norm(ord=inf)`` on a GPU. On a CPU that norm is an unvectorised loop (68 ms
+    over ResNet-50's 161 gradients against 4.6 ms for the L2 norm, one thread): there, each
+    gradient's ``aminmax`` (4.9 ms) and one reduction of them all.
+    """
+    if grads[0].device.type != "cpu":
+        return list(torch._foreach_norm(grads, math.inf))
+    extremes = [v for g in grads for v in (torch.aminmax(g) if g.numel() else (g.new_zeros(()),) * 2)]
+    if len({v.dtype for v in extremes}) > 1:
+        extremes = [v.float() for v in extremes]
+    return list(torch.stack(extremes).view(-1, 2).abs().amax(dim=1).unbind())
 
 
 def _largest(values: list[float]) -> float:

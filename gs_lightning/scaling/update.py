@@ -274,7 +274,8 @@ class UpdateRun:
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
-        self._kept_downstream = kept_downstream(graph, analysis, self._expected_totals())
+        self._expected = self._expected_maxima()
+        self._kept_downstream = kept_downstream(graph, analysis, {i: self._expected_total(i) for i in self._expected})
 
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles.
@@ -479,14 +480,18 @@ class UpdateRun:
         largest = sum(true_maxima) if summed else max(true_maxima)
         return self._capped(branch_log2_scale(alphas, largest * 2.0**REPLAY_HEADROOM_LOG2, self.settings.lambda_max), i)
 
-    def _expected_totals(self) -> dict[int, int]:
-        """GEMM node -> the accumulated scale its parameter gradients' expected maxima allow it (as :meth:`_gemm_scale` bounds it)."""
-        s, totals = self.settings, {}
+    def _expected_maxima(self) -> dict[int, float]:
+        """GEMM node -> the largest value its parameter gradients are expected to reach (where known)."""
+        maxima = {}
         for i in self.analysis.gemms:
-            expected = max((s.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
+            expected = max((self.settings.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
             if expected > 0.0:
-                totals[i] = math.ceil(overflow_max_log2_scale(expected * 2.0**EXPECTED_MAXIMA_MARGIN_LOG2, s.lambda_max)) - 1
-        return totals
+                maxima[i] = expected
+        return maxima
+
+    def _expected_total(self, i: int) -> int:
+        """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`_gemm_scale` bounds it)."""
+        return math.ceil(overflow_max_log2_scale(self._expected[i] * 2.0**EXPECTED_MAXIMA_MARGIN_LOG2, self.settings.lambda_max)) - 1
 
     def _total_cap(self, i: int) -> int | None:
         caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self._kept_downstream.get(i)) if c is not None]
@@ -561,7 +566,7 @@ class UpdateRun:
             },
             **{tensor: overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
         }
-        expected = max((s.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
+        expected = self._expected.get(i, 0.0)
         if expected > 0.0:  # unscaled: the bound on the local scale leaves room for the α it receives
             limits[EXPECTED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(expected * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it

@@ -670,8 +670,9 @@ class GradientScaler:
             layer_cap=_log2_floor(self.max_layer_scale),
             total_cap=min(caps) if caps else None,
             node_caps=self._layer_backoff.node_caps() if not path else {},
-            # they keep batches to come from skipping; a saturating format clips a rare spike instead
-            expected_maxima={} if self.format.saturates else self._drift.expected_maxima(),
+            # they keep batches to come from skipping; a saturating format clips a rare spike instead.
+            # Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
+            expected_maxima={} if self.format.saturates or path else self._drift.expected_maxima(),
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

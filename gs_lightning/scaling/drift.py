@@ -224,7 +224,8 @@ def unscale_check_and_measure(
     ``leaves`` holds (leaf index, leaf variable, alpha). One fused pass
     (``unscale_and_check_``) per scale, device and dtype, all setting one flag per device: the
     memory traffic of ``GradScaler.unscale_``, so ``step`` needs no second pass; with ``drift``,
-    one ``_foreach_norm(ord=inf)`` per scale on top. Nothing is synchronised; returns the flags.
+    each gradient's largest magnitude on top (:func:`largest_magnitudes`). Nothing is synchronised;
+    returns the flags.
     """
     by_alpha: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for j, variable, alpha in leaves:

@@ -266,34 +266,6 @@ WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], di
 }
 
 
-def _conv_weight_grad(node: Node, grad: torch.Tensor) -> torch.Tensor | None:
-    inputs, weight = saved_tensor(node, "input"), saved_tensor(node, "weight")
-    if inputs is None or weight is None:
-        return None
-    return torch.ops.aten.convolution_backward(
-        grad.float(), inputs.float(), weight.float(), None, node._saved_stride, node._saved_padding, node._saved_dilation,
-        node._saved_transposed, node._saved_output_padding, node._saved_groups, [False, True, False],
-    )[1]
-
-
-def _addmm_weight_grad(node: Node, grad: torch.Tensor) -> torch.Tensor | None:
-    mat1 = saved_tensor(node, "mat1")
-    return None if mat1 is None else mat1.float().t() @ grad.float()
-
-
-def _mm_weight_grad(node: Node, grad: torch.Tensor) -> torch.Tensor | None:
-    left = saved_tensor(node, "self")
-    return None if left is None else left.float().t() @ grad.float()
-
-
-# Per GEMM node type: the weight gradient itself, computed in fp32 from the incoming ∇Y, for when
-# the Cauchy–Schwarz bound above is what limits a scale (it is loose by up to √(batch·positions)).
-EXACT_WEIGHT_GRADS: dict[str, Callable[[Node, torch.Tensor], torch.Tensor | None]] = {
-    "ConvolutionBackward0": _conv_weight_grad,
-    "AddmmBackward0": _addmm_weight_grad,
-    "MmBackward0": _mm_weight_grad,
-}
-
 # Fused kernels that compute several GEMMs in low precision inside one node, and the edges whose
 # gradients an exact fp32 probe (``probes.py``) can compute: query, key, value of fused attention;
 # input (and, for oneDNN, initial hidden and cell states) of fused RNNs.

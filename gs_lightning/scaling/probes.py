@@ -1,4 +1,4 @@
-"""Exact fp32 values of the gradients a GEMM-like node sends on, on a bounded slice.
+"""Exact fp32 values of the gradients a GEMM-like node sends on, and of its weight gradient, on a bounded slice.
 
 On scale-update iterations the scale of a GEMM's output gradient can be read off the values
 themselves (:func:`~gs_lightning.scaling.underflow.sample_min_log2_scale`) instead of a model
@@ -12,6 +12,10 @@ own strided set of columns (channels, features), so that together they cover all
 Latin-square-like design whose values behave much like independent draws. The cost is about
 ``elements × N`` multiply-adds, at least one sample's worth (one channel map, one attention head,
 one sequence); the values returned are thinned with a stride to at most ``elements``.
+
+A weight gradient sums over the whole batch and every position: its slice is whole output
+channels (convolutions) or a block of rows × columns (matrix products), each value exact, and
+smaller (:func:`weight_probe_elements`).
 
 Saved tensors are read only through :func:`~gs_lightning.scaling.graph.saved_tensor`, which
 refuses those an unpack hook owns (checkpointing); a probe then returns ``None``.
@@ -31,6 +35,17 @@ from gs_lightning.scaling.graph import ATTENTION_NODES, DEFORM_CONV, RNN_NODES, 
 
 # Upper bound on the number of values a probe returns.
 PROBE_ELEMENTS = 2**16
+# Upper bounds on a weight-gradient probe: its values (enough for γ' = 1e-3's order statistic to
+# rest on a few values, not on the minimum) and its multiply-adds (each value sums over the whole
+# batch and every position). README "How it works": chosen on bench/update_cost.py.
+WEIGHT_PROBE_ELEMENTS = 2**13
+WEIGHT_PROBE_MACS = 2**22
+
+
+def weight_probe_elements(grad: torch.Tensor) -> int:
+    """How many weight-gradient values a probe may compute from the incoming ``grad`` (channels on dim 1)."""
+    summed = grad.numel() // grad.shape[1] if grad.dim() > 1 and grad.shape[1] else 1  # batch × positions
+    return max(1, min(WEIGHT_PROBE_ELEMENTS, WEIGHT_PROBE_MACS // max(1, summed)))
 
 
 def probe(
@@ -209,6 +224,40 @@ def _edge_shape(node: Node, edge: int) -> torch.Size | None:
 
 
 def _convolution(
+    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
+) -> torch.Tensor | None:
+    """∇X (edge 0) or ∇W (edge 1) of a convolution: :func:`_convolution_input` or :func:`_convolution_weight`."""
+    if edge == 1:
+        return _convolution_weight(node, grad, elements)
+    return _convolution_input(node, grad, edge, operand, elements)
+
+
+def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.Tensor | None:
+    """∇W of a (transposed, grouped, 1/2/3-d) convolution for a subset of its output channels, each whole.
+
+    The subset: output channels evenly spread (whole groups, for a grouped convolution), each
+    summed over the whole batch, as the node sums it.
+    """
+    inputs, weight = _float(saved_tensor(node, "input")), _float(saved_tensor(node, "weight"))
+    if inputs is None or weight is None:
+        return None
+    groups, transposed = node._saved_groups, node._saved_transposed
+    args = (node._saved_stride, node._saved_padding, node._saved_dilation, transposed, node._saved_output_padding)
+    if weight.numel() > elements and groups > 1:  # whole groups: a grouped convolution of the chosen ones
+        chosen = max(1, elements * groups // weight.numel())
+        index = _spread(groups, chosen, grad.device)
+        grad = _take(grad.unflatten(1, (groups, -1)), 1, index).flatten(1, 2)
+        inputs = _take(inputs.unflatten(1, (groups, -1)), 1, index).flatten(1, 2)
+        weight = _take(weight.unflatten(0, (groups, -1)), 0, index).flatten(0, 1)
+        groups = chosen
+    elif weight.numel() > elements:  # output channels index dim 1 of a transposed conv's weight, dim 0 of a conv's
+        dim = 1 if transposed else 0
+        index = _spread(weight.shape[dim], max(1, elements * weight.shape[dim] // weight.numel()), grad.device)
+        grad, weight = _take(grad, 1, index), _take(weight, dim, index)
+    return torch.ops.aten.convolution_backward(grad, inputs, weight, None, *args, groups, [False, True, False])[1]
+
+
+def _convolution_input(
     node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
 ) -> torch.Tensor | None:
     """∇X of a (transposed, grouped, 1/2/3-d) convolution for a subset of batch elements × input channels.

@@ -8,6 +8,7 @@ that the iterations in between replay as constant factors.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -19,7 +20,6 @@ from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.graph import (
     BIAS_GRADIENT,
-    EXACT_WEIGHT_GRADS,
     GEMM_OPERANDS,
     RNN_NODES,
     WEIGHT_GRAD_BOUNDS,
@@ -29,7 +29,7 @@ from gs_lightning.scaling.graph import (
     Slot,
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
-from gs_lightning.scaling.probes import detached, probe, rnn_probe
+from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
 from gs_lightning.scaling.underflow import (
     ExactSample,
     branch_log2_scale,
@@ -79,9 +79,9 @@ class LayerScale:
         log2_total: log2 of the accumulated scale its outgoing gradients carry.
         underflow_rate: The estimated underflow rate of its output at that scale (NaN where no
             model applies).
-        measured_underflow: The fraction of the exact fp32 probe values of its output (a cast's
-            own gradient) left below λmin at that scale, measured on the update iteration
-            (``None`` where nothing was probed).
+        measured_underflow: The largest fraction of the exact fp32 probe values of its outputs
+            (what it sends on and its weight gradient; a cast's own gradient) left below λmin at
+            that scale, measured on the update iteration (``None`` where nothing was probed).
         limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
             lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
             batches"``: the values its weight and bias gradients are expected to reach, from the last
@@ -524,10 +524,9 @@ class UpdateRun:
         return beta, f"overflow of the {upper_name}"
 
     def _gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
-        """Theorem 1 (exact for small N) and the probed output: the larger scale of the two.
+        """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.
 
-        The first layer sends no activation gradient on: only its weight gradients bound its scale
-        (β ≤ 0, where the scale it receives would overflow them).
+        The first layer sends no activation gradient on: its weight gradients alone decide its scale.
         """
         s, name = self.settings, self.graph.names[i]
         operand_of = GEMM_OPERANDS[name]
@@ -539,7 +538,8 @@ class UpdateRun:
             return self._non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
-        samples = [ExactSample(v) for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
+        sent = [probe(node, grad, k, op.operand) for k, op in operands]
+        samples = [ExactSample(v) for v in [*sent, *self._weight_samples(i, grad)] if v is not None]
         (grad_rms, *values), orders = stats_and_samples(
             [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
             samples,
@@ -574,12 +574,22 @@ class UpdateRun:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
         beta, limited_by = self._choose(i, alpha, lower, limits)
         measured = [v.underflow_rate(beta, s.lambda_min) for v in samples]
-        # default: the first layer sends no activation gradient on, so none of its output can underflow
         rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
         self.layers.append(
             LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate, max(measured) if measured else None, limited_by)
         )
         return beta
+
+    def _weight_samples(self, i: int, grad: torch.Tensor, elements: int | None = None) -> list[torch.Tensor]:
+        """Exact fp32 values of a slice of each weight gradient GEMM node ``i`` outputs from ``grad``.
+
+        What the node sends on does not show a weight gradient's small values: on SSD300's heads and
+        extra layers, few positions and sparse ∇Y leave them 17-28 binades below the largest (README
+        "How it works"). At most ``elements`` values each (default :func:`weight_probe_elements`);
+        none where the node's input is unreadable (non-reentrant checkpointing).
+        """
+        node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad)
+        return [values for k in self.analysis.weight_edges[i] if (values := probe(node, grad, k, None, elements)) is not None]
 
     def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> float:
         """The overflow bound from the weight gradient itself, computed in fp32, with :data:`WEIGHT_GRAD_MARGIN_LOG2` to spare.
@@ -587,10 +597,10 @@ class UpdateRun:
         Only where the Cauchy–Schwarz bound is what keeps a scale from meeting γ' (one more GEMM
         on such layers, on update iterations only).
         """
-        exact = EXACT_WEIGHT_GRADS[self.graph.names[i]](self.graph.nodes[i], grad)
-        if exact is None:
+        exact = self._weight_samples(i, grad, elements=sys.maxsize)
+        if not exact:
             return math.inf
-        (largest,) = magnitudes([extremes(exact)])
+        largest = max(magnitudes([extremes(values) for values in exact]))
         return overflow_max_log2_scale(largest * 2.0**WEIGHT_GRAD_MARGIN_LOG2, self.settings.lambda_max)
 
     def _cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +19,7 @@ from torchvision import ops
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.plan import times_pow2
+from gs_lightning.scaling.update import UpdateRun
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -324,13 +326,20 @@ class BertAttention(nn.Module):
         return x + self.out((probs @ v).transpose(1, 2).reshape(n, length, dim))
 
 
-def test_checkpointed_attention_keeps_its_layers_and_says_what_it_could_not_read() -> None:
+def test_checkpointed_attention_keeps_its_layers_and_says_what_it_could_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under non-reentrant checkpointing, ``layers()`` names what the unchecked model names. GEMMs with a
-    parameter operand decide as unchecked; the attention ``bmm``s (both operands activations, unreadable)
-    pass their scale through, reported with scale 1 and a NaN rate (README_issue19.md)."""
+    parameter operand decide as unchecked without their weight-gradient probes (their inputs are not
+    readable); the attention ``bmm``s (both operands activations, unreadable) pass their scale through,
+    reported with scale 1 and a NaN rate (README_issue19.md)."""
     x, y = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)), torch.arange(10) % 4
     layers = {}
+    weight_samples = UpdateRun._weight_samples
     for checkpointed in (False, True):
+        monkeypatch.setattr(  # the unchecked model, as it decides with nothing more read than checkpointing lets
+            UpdateRun, "_weight_samples",
+            lambda self, i, grad, elements=None: [] if self.analysis.layer_names[i].startswith("attention.") and not checkpointed
+            else weight_samples(self, i, grad, elements),
+        )  # fmt: skip
         torch.manual_seed(0)
         attention, head = BertAttention(), nn.Linear(16, 4)
         model = nn.ModuleDict({"attention": attention, "head": head})

@@ -81,6 +81,32 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
         assert torch.isfinite(parameter.grad).all(), name
 
 
+def test_a_weight_gradient_far_below_what_its_layer_sends_on_is_kept_within_twice_the_target() -> None:
+    """SSD300's heads in miniature: a head on small activations (its input ×1e-3) receives a sparse
+    ∇Y (8 of 256 rows, as hard-negative mining leaves). Its weight gradient lies binades below what it
+    sends on; at the scale chosen for the latter alone, most of it fell below λmin."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+        model[0].bias.mul_(1e-3)
+    x, upstream = torch.randn(256, 16), torch.zeros(256, 8)
+    upstream[::32] = torch.randn(8, 8)
+    scaler = GradientScaler(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        hidden = model[1](model[0](x))
+        loss = (model[2](hidden).float() * upstream).sum() * 1e-2
+    scaler.backward(loss)
+    head = next(layer for layer in scaler.layers() if layer.name == "2")
+    weight_grad = (upstream.t() @ hidden.detach().float()).flatten() * 1e-2  # exact, unscaled
+    nonzero = weight_grad[weight_grad != 0]
+    assert nonzero.numel() > 100
+    assert float((nonzero.abs() * 2.0**head.log2_total < LAMBDA_MIN).double().mean()) <= 2 * TARGET
+    assert head.measured_underflow <= 2 * TARGET
+    for name, parameter in model.named_parameters():
+        assert torch.isfinite(parameter.grad).all(), name
+
+
 def _two_heads() -> tuple[nn.Module, Callable[..., torch.Tensor]]:
     """Two heads on one trunk; head b's gradients are 1e-4 of head a's, so b carries the larger scale.
 

@@ -538,8 +538,8 @@ class UpdateRun:
             return self._non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
-        sent = [probe(node, grad, k, op.operand) for k, op in operands]
-        samples = [ExactSample(v) for v in [*sent, *self._weight_samples(i, grad)] if v is not None]
+        sent = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
+        samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))]
         (grad_rms, *values), orders = stats_and_samples(
             [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
             samples,

@@ -6,6 +6,7 @@ import copy
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -437,6 +438,16 @@ def test_opaque_nodes_are_named_in_the_warning_and_scaled_as_one_unit() -> None:
     assert [layer.name for layer in opaque] == ["_ScaleAndShiftBackward"] and opaque[0].log2_scale > 0
 
 
+def weight_probes_only_where(monkeypatch: pytest.MonkeyPatch, readable: Callable[[str], bool]) -> None:
+    """Let only the layers ``readable`` accepts (by name) probe their weight gradients, as non-reentrant
+    checkpointing leaves them: a checkpointed layer's input cannot be read."""
+    weight_samples = UpdateRun._weight_samples
+    monkeypatch.setattr(
+        UpdateRun, "_weight_samples",
+        lambda self, i, grad, elements=None: weight_samples(self, i, grad, elements) if readable(self.analysis.layer_names[i]) else [],
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpointed_blocks_are_scaled_as_the_plain_model(use_reentrant: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Checkpointing changes how activations are kept, not what is scaled. Non-reentrant: the very
@@ -459,11 +470,8 @@ def test_checkpointed_blocks_are_scaled_as_the_plain_model(use_reentrant: bool, 
         checkpointed = scales_of(CheckpointedNet(use_reentrant=use_reentrant))
     monkeypatch.setattr(nets, "checkpoint", lambda function, *args, **kwargs: function(*args))
     monkeypatch.setattr(nets, "checkpoint_sequential", lambda functions, segments, x, **kwargs: functions(x))
-    weight_samples, readable = UpdateRun._weight_samples, ("stem", "tail.2", "head")  # checkpoint_sequential runs its last segment plainly
-    monkeypatch.setattr(  # none inside the blocks, as none can be read there
-        UpdateRun, "_weight_samples",
-        lambda self, i, grad, elements=None: weight_samples(self, i, grad, elements) if self.analysis.layer_names[i] in readable else [],
-    )  # fmt: skip
+    # outside the blocks only (checkpoint_sequential runs its last segment plainly)
+    weight_probes_only_where(monkeypatch, lambda name: name in ("stem", "tail.2", "head"))
     torch.manual_seed(0)
     plain = scales_of(CheckpointedNet(use_reentrant=use_reentrant))
     assert len(plain) > 5 and checkpointed.keys() == plain.keys()

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from test_scaler import weight_probes_only_where
 from torchvision import ops
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.plan import times_pow2
-from gs_lightning.scaling.update import UpdateRun
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -333,13 +333,11 @@ def test_checkpointed_attention_keeps_its_layers_and_says_what_it_could_not_read
     reported with scale 1 and a NaN rate (README_issue19.md)."""
     x, y = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)), torch.arange(10) % 4
     layers = {}
-    weight_samples = UpdateRun._weight_samples
     for checkpointed in (False, True):
-        monkeypatch.setattr(  # the unchecked model, as it decides with nothing more read than checkpointing lets
-            UpdateRun, "_weight_samples",
-            lambda self, i, grad, elements=None: [] if self.analysis.layer_names[i].startswith("attention.") and not checkpointed
-            else weight_samples(self, i, grad, elements),
-        )  # fmt: skip
+        if not checkpointed:  # the unchecked model, reading no more than checkpointing lets it
+            weight_probes_only_where(monkeypatch, lambda name: not name.startswith("attention."))
+        else:
+            monkeypatch.undo()
         torch.manual_seed(0)
         attention, head = BertAttention(), nn.Linear(16, 4)
         model = nn.ModuleDict({"attention": attention, "head": head})

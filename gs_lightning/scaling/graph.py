@@ -215,9 +215,16 @@ GEMM_OPERANDS: dict[str, dict[int, Callable[[AutogradGraph, int, torch.Tensor], 
     DEFORM_CONV: {0: _deform_conv_input},
 }
 
-def _channel_norm_max(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
-    dims = [d for d in range(t.dim()) if d != channel_dim]
-    return torch.linalg.vector_norm(t, dim=dims, dtype=torch.float32).max()
+def _channel_norm_max(t: torch.Tensor) -> torch.Tensor:
+    """The largest L2 norm (fp32) of one channel's values, channels on dim 1.
+
+    Reduced the way the values lie: each sample's positions first, then the samples. One norm over
+    every dim but the channel's measured 3-9x slower on a CPU at batch 8-64 (README "How it works").
+    """
+    if t.dim() > 2:
+        per_sample = torch.linalg.vector_norm(t.flatten(2), dim=2, dtype=torch.float32)
+        return torch.linalg.vector_norm(per_sample, dim=0).max()
+    return t.float().square().sum(0).max().sqrt()  # rows: their squares summed, not a norm across them
 
 
 def _sum_max(grad: torch.Tensor, channel_dim: int) -> torch.Tensor:
@@ -228,7 +235,7 @@ def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple
     bounds = {}
     inputs = saved_tensor(node, "input")
     if 1 in weight_edges and inputs is not None:  # ∇W[o, i, k] = Σ_{n,h,w} ∇Y[n,o,h,w]·X[n,i,h+k]: Cauchy–Schwarz
-        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad, 1) * _channel_norm_max(inputs, 1)
+        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad) * _channel_norm_max(inputs)
     if 2 in weight_edges:  # the bias gradient is computed exactly: it is a sum of ∇Y
         bounds[BIAS_GRADIENT] = _sum_max(grad, 1)
     return bounds
@@ -238,7 +245,7 @@ def _addmm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tupl
     bounds = {}
     mat1 = saved_tensor(node, "mat1")
     if 2 in weight_edges and mat1 is not None:  # ∇W = Xᵀ·∇Y summed over the rows
-        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad, 1) * _channel_norm_max(mat1, 1)
+        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad) * _channel_norm_max(mat1)
     if 0 in weight_edges:
         bounds[BIAS_GRADIENT] = _sum_max(grad, 1)
     return bounds
@@ -248,7 +255,7 @@ def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[i
     left = saved_tensor(node, "self")
     if 1 not in weight_edges or left is None:
         return {}
-    return {WEIGHT_GRADIENT: _channel_norm_max(grad, 1) * _channel_norm_max(left, 1)}
+    return {WEIGHT_GRADIENT: _channel_norm_max(grad) * _channel_norm_max(left)}
 
 
 WEIGHT_GRADIENT, BIAS_GRADIENT = "weight gradient", "bias gradient"

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
 from gs_lightning.lightning.callback import ResumeCallback, finished_epochs
+from gs_lightning.scaling.scaler import GradientScaler
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +163,29 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
             f"  {layer.name:<32} {layer.log2_scale:>10} {layer.log2_total:>10} {layer.underflow_rate:>15.2e}" for layer in layers
         ]
         lines += textwrap.wrap(_SCALE_TABLE_HELP, width=100)
+        ended_skipping = textwrap.wrap(_skipped_at_the_end(scaler), width=100)
+        lines += ["", *ended_skipping] if ended_skipping else []
     lines += ["", *_where(trainer, cfg)]
     return "\n".join(lines)
+
+
+def _skipped_at_the_end(scaler: GradientScaler) -> str:
+    """What to make of a run whose last steps were skipped: where the last update first met a
+    non-finite gradient, and whether any scale had been applied to it ('' if the last step was taken)."""
+    skipped = scaler.consecutive_skips
+    if not skipped:
+        return ""
+    text = f"The run ended with {skipped} steps skipped in a row: the weights are those of the last step taken."
+    layer = next((layer for layer in scaler.layers() if layer.name == scaler.first_non_finite), None)
+    if layer is None:
+        return text
+    text += f" On the last update the first non-finite gradient, in backward order, was at {layer.name} (log2 total {layer.log2_total})"
+    if layer.log2_total > 0:
+        return text + "; the scales of the table are that update's."
+    return text + (
+        ", before any scale: unscaled fp16 would have failed there too. The loss or the forward was non-finite, "
+        "or training diverged (lower the learning rate, check the inputs); the table's NaN rows are that update's."
+    )
 
 
 def _say_how_fp16_runs(trainer: L.Trainer) -> None:

@@ -21,7 +21,7 @@ from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
 from gs_lightning import GradientScalingPlugin
-from gs_lightning.app import AppError, _say_how_fp16_runs, build, objective, precision_arguments, register_recipes, run
+from gs_lightning.app import AppError, _say_how_fp16_runs, build, objective, precision_arguments, register_recipes, run, summary
 from gs_lightning.data.synthetic import write_synthetic_camvid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +166,26 @@ def test_skipped_step_leaves_batchnorm_statistics_as_they_were() -> None:
     batch_norm = model.net[1]
     assert batch_norm.running_mean.isfinite().all() and batch_norm.running_var.isfinite().all()
     assert trainer.callback_metrics["val/loss"].isfinite()
+
+
+@pytest.mark.parametrize("inf_inputs", [False, True], ids=["inf loss", "inf input"])
+def test_a_run_that_ends_skipping_steps_says_where_and_that_no_scale_caused_it(inf_inputs: bool) -> None:
+    """The last 3 of 6 steps have a non-finite loss (or input): the summary says the run ended with
+    3 steps skipped in a row, names the first non-finite layer of the last update, and says no scale
+    had been applied there; a run whose last step was taken says nothing of it."""
+    torch.manual_seed(0)
+    trainer = make_trainer(GradientScalingPlugin(), max_steps=6, limit_train_batches=6, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(Classifier(inf_steps=(3, 4, 5), inf_inputs=inf_inputs), loader())
+    scaler = trainer.precision_plugin.scaler
+    assert (scaler.skipped_steps, scaler.consecutive_skips) == (3, 3)
+    text = " ".join(summary(trainer, {}).split())
+    assert "The run ended with 3 steps skipped in a row" in text
+    assert f"the first non-finite gradient, in backward order, was at {scaler.first_non_finite} (log2 total 0), before any scale" in text
+
+    torch.manual_seed(0)
+    trainer = make_trainer(GradientScalingPlugin(), max_steps=6, limit_train_batches=6, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(Classifier(inf_steps=(3,), inf_inputs=inf_inputs), loader())
+    assert trainer.precision_plugin.scaler.consecutive_skips == 0 and "in a row" not in summary(trainer, {})
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -211,6 +211,17 @@ class GradientScaler:
         """Number of optimizer steps skipped because a gradient was non-finite."""
         return self._skipped_steps
 
+    @property
+    def consecutive_skips(self) -> int:
+        """Optimizer steps skipped in a row up to the last one (0 once a step is taken)."""
+        return self._consecutive_skips
+
+    @property
+    def first_non_finite(self) -> str | None:
+        """The first layer, in backward order, whose incoming or weight gradient was non-finite on the
+        last update iteration (``None`` if every one was finite)."""
+        return self._first_non_finite
+
     def attach(self, model: nn.Module) -> None:
         """Name layers after ``model``'s modules and restore its buffers on a skipped step.
 

@@ -8,7 +8,11 @@ synchronisation ``step()`` already makes for its found-inf flag.
   iteration. When the gradients of a scale group (the weight gradients that carry one
   accumulated scale) shrink by a binade, the underflow rate of what that group's layers send on
   roughly doubles: :class:`GradientDrift` asks for an update on the next backward, so
-  ``update_interval`` is the longest interval, not a fixed period.
+  ``update_interval`` is the longest interval, not a fixed period. A weight gradient that is all
+  zeros at an update gives its layers nothing to decide on; such gradients are common at
+  initialisation (a residual branch behind a zero-initialised BatchNorm weight, LoRA's zero B) and
+  turn nonzero with the first step: an update that meets a newly all-zero weight gradient asks for
+  another on the next backward, and between updates one that turns nonzero counts as drift.
 * **Expected maxima.** An update decides from one batch, but a weight gradient's largest value
   varies far more from batch to batch than the small values the underflow target is about (on a
   converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps).
@@ -53,7 +57,9 @@ class DriftReading:
     Attributes:
         drift_log2: The most binades a scale group's largest gradient fell below its value at the
             update (negative when every group grew; 0 on an update iteration, NaN when nothing
-            was comparable, inf when a group's gradients became all zeros or non-finite).
+            was comparable, inf when a group's gradients became all zeros or non-finite, when a
+            gradient all zeros at the update is not any more, or, on an update iteration, when a
+            gradient is all zeros that was not at the update before).
         non_finite: Leaf indices (in the loss's graph) whose gradient holds inf or NaN.
         measured: Leaf indices whose gradient norms were read.
     """
@@ -81,6 +87,7 @@ class GradientDrift:
         window: How many steps :meth:`expected_maxima` looks back on.
         reference: log2 scale -> (leaf indices, largest magnitude of their gradients) measured on
             the last update iteration.
+        zero_at_update: Leaf indices whose gradient was all zeros on the last update iteration.
         recent: For each of the last ``window`` steps, leaf index -> largest magnitude of its
             (unscaled) gradient; where it overflowed, λmax over the scale it carried, the least it was.
         lambda_max: λmax of the gradients' format.
@@ -90,6 +97,7 @@ class GradientDrift:
     window: int = 100
     lambda_max: float = math.inf
     reference: dict[int, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    zero_at_update: frozenset[int] = frozenset()
     recent: list[dict[int, float]] = field(default_factory=list)
     last: DriftReading = field(default_factory=DriftReading)
     _pending: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = field(default_factory=list, repr=False)
@@ -120,12 +128,15 @@ class GradientDrift:
                     at_least[leaf] = self.lambda_max * 2.0**-alpha
             position += len(norms)
         measured = {alpha: (tuple(sorted(leaves)), _largest(values)) for alpha, (leaves, values) in groups.items()}
+        zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0)
         if self._update and not non_finite:
-            self.reference, drift = measured, 0.0
+            drift = math.inf if zero - self.zero_at_update else 0.0  # decided on no values: once more, next backward
+            self.reference, self.zero_at_update = measured, zero
         else:
             shrinks = [_shrink_log2(largest, self.reference[alpha][1]) for alpha, (leaves, largest) in measured.items()
                        if alpha in self.reference and self.reference[alpha][0] == leaves]
-            drift = max(shrinks, default=math.nan)
+            woke = any(leaf in at_least and leaf not in zero for leaf in self.zero_at_update)
+            drift = math.inf if woke else max(shrinks, default=math.nan)
         if at_least:
             self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]
         self._pending.clear()
@@ -171,19 +182,23 @@ class GradientDrift:
         return {leaf: value for leaf, value in zip(leaves, expected) if math.isfinite(value)}
 
     def clear_recent(self) -> None:
-        """Forget the recent maxima (the graph's structure changed: leaf indices name other tensors)."""
+        """Forget the recent maxima and the gradients zero at the update (the graph's structure changed:
+        leaf indices name other tensors)."""
         self.recent.clear()
+        self.zero_at_update = frozenset()
 
     def state_dict(self) -> dict[str, Any]:
         """The reference maxima and the recent ones, as plain containers."""
         return {
             "reference": [[alpha, list(leaves), norm] for alpha, (leaves, norm) in sorted(self.reference.items())],
+            "zero_at_update": sorted(self.zero_at_update),
             "recent": [sorted([leaf, value] for leaf, value in step.items()) for step in self.recent],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s reference and recent maxima."""
         self.reference = {int(alpha): (tuple(int(j) for j in leaves), float(norm)) for alpha, leaves, norm in state.get("reference", [])}
+        self.zero_at_update = frozenset(int(j) for j in state.get("zero_at_update", []))
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
 
 

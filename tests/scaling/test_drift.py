@@ -125,6 +125,30 @@ def _two_heads() -> tuple[nn.Module, Callable[..., torch.Tensor]]:
     return model, loss
 
 
+def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they_are_not() -> None:
+    """LoRA's zero-initialised B: on the first update nothing reaches A (B = 0 sends zeros), so A's
+    layer has nothing to decide on; one SGD step later B is small, and what it sends to A fell
+    below λmin until an update saw it (87% of it before this rule). The update that met all-zero
+    weight gradients asks for another on the next backward."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"base": nn.Linear(64, 64), "a": nn.Linear(64, 16, bias=False), "b": nn.Linear(16, 64, bias=False)})
+    nn.init.zeros_(model["b"].weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, upstream = torch.randn(256, 64), torch.randn(256, 64)
+    scaler = GradientScaler(model, update_interval=100)
+    measured = []
+    for _ in range(4):
+        captured: list[torch.Tensor] = []
+        with torch.autocast("cpu", dtype=torch.float16):
+            low_rank = model["a"](x)
+            low_rank.register_hook(captured.append)  # what B sends A, at the scale it carries
+            loss = ((model["base"](x) + model["b"](low_rank)).float() * upstream).sum() * 1e-3
+        assert _step(scaler, optimizer, loss)
+        measured.append(_below_lambda_min(captured[0]))
+    assert measured[0] == 1.0  # B = 0 sent zeros
+    assert max(measured[1:]) <= 2 * TARGET, [f"{m:.1e}" for m in measured]
+
+
 def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> None:
     """Head b carries the largest scale. Head a's gradient overflows on an iteration between
     updates: the step is skipped, and the next update lowers head a only."""
@@ -173,6 +197,8 @@ def test_fp32_gradients_are_bit_exact_on_drift_triggered_updates(case: str) -> N
         assert grads.keys() == reference.keys() and not mismatched, f"iteration {iteration}: {mismatched}"
     if case in ("checkpoint_reentrant", "checkpoint_shared_weight"):  # reentrant: no gradient waits for the fused unscale
         assert all(math.isnan(d) for d in drifts)
+    elif case == "two_output_function":  # relu(x - 1) = 0 here: `right`'s weight gradient is all zeros, and the
+        assert drifts == [math.inf, 0.0, 0.0]  # first update asks for a second, whose reference the third matches
     else:
         assert drifts[0] == 0.0 and drifts[1] == pytest.approx(3.0) and drifts[2] == 0.0  # 0: an update's own
 
@@ -215,6 +241,21 @@ def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> 
     assert drift.recent[-1] == {1: 65504.0 * 2.0**-5, 2: 4.0}  # an overflow at 2^5: at least λmax / 2^5
     assert read([math.nan, 4.0]).drifted  # max() would pass a NaN over
     assert len(drift.recent) == 3  # the window forgets
+
+
+def test_a_gradient_all_zeros_at_the_update_asks_for_one_more_and_drifts_when_it_wakes() -> None:
+    drift = GradientDrift(window=10)
+    grads = [torch.ones(4), torch.ones(2)]
+
+    def read(values: list[float], update: bool = False) -> DriftReading:
+        drift.measure(3, (1, 2), grads, update)
+        return drift.read(values)
+
+    assert read([0.0, 4.0], update=True).drifted  # leaf 1 newly all zeros: decide once more
+    assert read([0.0, 4.0], update=True).drift_log2 == 0.0  # still zeros: no update loop
+    assert not read([0.0, 4.0]).drifted
+    assert read([1e-6, 4.0]).drift_log2 == math.inf  # it woke up: its layers were never scaled for it
+    assert read([1e-6, 4.0], update=True).drift_log2 == 0.0 and drift.zero_at_update == frozenset()
 
 
 def test_expected_maxima_follow_a_falling_level_and_remember_spikes() -> None:

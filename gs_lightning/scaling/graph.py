@@ -98,6 +98,27 @@ def saved_function_tensor(node: Node, index: int) -> torch.Tensor | None:
     return node.saved_tensors[index]
 
 
+# Batch normalisation's backward, dX = γ·invstd·(dY less its projection on 1 and x̂) per channel,
+# can make a gradient larger than it came in, by up to max_c |γ_c|·invstd_c (in L2; 3.85x in
+# max on ResNet-8's stem, where that gain is 4): scales bounded against λmax before it overflowed
+# after it (README "How it works"). cuDNN and MIOpen save the inverse std as result2 too.
+BATCH_NORM_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
+
+
+def batch_norm_gain(node: Node) -> torch.Tensor | None:
+    """max_c |γ_c|·invstd_c of a batch-norm backward node, a 0-dim fp32 tensor (nothing read), or
+    ``None`` where its saved tensors are unreadable (checkpointing)."""
+    with torch.no_grad():
+        invstd = saved_tensor(node, "result2")
+        if invstd is None or invstd.numel() == 0:  # evaluation mode: the running variance normalised
+            variance = saved_tensor(node, "running_var")
+            if variance is None:
+                return None
+            invstd = (variance + getattr(node, "_saved_eps", 1e-5)).rsqrt()
+        weight = saved_tensor(node, "weight")  # None as well without an affine weight
+        return invstd.amax() if weight is None else (weight.abs() * invstd).amax()
+
+
 # torchvision's operators with autograd formulas (``torch.library.register_autograd``: custom
 # Functions to the walk), known by name. RoI pooling is linear in its gradient: a pass-through.
 # ``deform_conv2d`` is a convolution: a GEMM decision point (``GEMM_OPERANDS``, ``probes.py``).

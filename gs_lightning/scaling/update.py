@@ -19,6 +19,7 @@ import torch
 from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.graph import (
+    BATCH_NORM_NODES,
     BIAS_GRADIENT,
     GEMM_OPERANDS,
     RNN_NODES,
@@ -27,6 +28,7 @@ from gs_lightning.scaling.graph import (
     AutogradGraph,
     GraphAnalysis,
     Slot,
+    batch_norm_gain,
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
@@ -238,6 +240,40 @@ def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: 
     return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
 
 
+def batch_norm_gains(graph: AutogradGraph) -> dict[int, float]:
+    """Batch-norm backward node -> its gain above 1 (:func:`~gs_lightning.scaling.graph.batch_norm_gain`),
+    read in one synchronisation; empty, and nothing read, without batch normalisation."""
+    found = [(j, gain) for j, name in enumerate(graph.names) if name in BATCH_NORM_NODES and (gain := batch_norm_gain(graph.nodes[j])) is not None]
+    values = stats(*(gain for _, gain in found)) if found else []
+    return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
+
+
+def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, float]) -> dict[int, float]:
+    """Node -> how much the gradient it receives can grow before the next decision point, branch or
+    leaf sees it: the product of the batch-norm ``gains`` on the way (the node's own included), the
+    largest over the paths. Nodes where that is 1 are left out."""
+    if not gains:
+        return {}
+    stops = analysis.leaves | analysis.layer_names.keys()
+    grown: dict[int, float] = {}
+    done: set[int] = set()
+    stack = [(root, False) for root in range(len(graph.nodes))]  # post-order without recursion, as kept_downstream
+    while stack:
+        node, ready = stack.pop()
+        if node in done or node in stops:
+            continue
+        targets = [edge[0] for edge in graph.edges[node] if edge is not None and edge not in analysis.branch_slots]
+        if ready:
+            done.add(node)
+            gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets), default=1.0)
+            if gain > 1.0:
+                grown[node] = gain
+            continue
+        stack.append((node, True))
+        stack.extend((t, False) for t in targets if t not in done)
+    return grown
+
+
 class UpdateRun:
     """Hooks of one update iteration on one graph; afterwards, what they decided.
 
@@ -276,6 +312,7 @@ class UpdateRun:
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
         self._expected = self._expected_maxima()
         self._kept_downstream = kept_downstream(graph, analysis, {i: self._expected_total(i) for i in self._expected})
+        self._gains_after = gains_after(graph, analysis, batch_norm_gains(graph))
 
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles.
@@ -477,8 +514,12 @@ class UpdateRun:
             return alphas[0]
         maxima = magnitudes([extremes(g) for g, _ in parts])
         true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
-        largest = sum(true_maxima) if summed else max(true_maxima)
+        largest = (sum(true_maxima) if summed else max(true_maxima)) * self._gains_after.get(i, 1.0)
         return self._capped(branch_log2_scale(alphas, largest * 2.0**REPLAY_HEADROOM_LOG2, self.settings.lambda_max), i)
+
+    def _gain_into(self, edge: Slot | None) -> float:
+        """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again (:func:`gains_after`)."""
+        return 1.0 if edge is None or edge in self.analysis.branch_slots else self._gains_after.get(edge[0], 1.0)
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known)."""
@@ -561,7 +602,9 @@ class UpdateRun:
         limits = {
             "incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max),
             **{
-                f"gradient of input {k}": overflow_max_log2_scale(op.accumulation_length * grad_max * operand_stats[2 * j + 1], s.lambda_max)
+                f"gradient of input {k}": overflow_max_log2_scale(
+                    op.accumulation_length * grad_max * operand_stats[2 * j + 1] * self._gain_into(self.graph.edges[i][k]), s.lambda_max
+                )
                 for j, (k, op) in enumerate(operands)
             },
             **{tensor: overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
@@ -676,8 +719,9 @@ class UpdateRun:
             return self._non_finite(i, kind, alpha)
         lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(exact, orders))
         limits = {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)}
+        gain = max((self._gain_into(edge) for edge in self.graph.edges[i]), default=1.0)  # whichever edge a sample left by
         for k, m in enumerate(sample_max):
-            limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m, s.lambda_max)
+            limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m * gain, s.lambda_max)
         beta, limited_by = self._choose(i, alpha, lower, limits)
         rate = max(v.underflow_rate(beta, s.lambda_min) for v in exact)
         self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate, rate, limited_by))

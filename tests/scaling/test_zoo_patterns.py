@@ -277,6 +277,46 @@ def test_a_replay_after_the_bias_gradient_grew_does_not_overflow() -> None:
     assert scaler.skipped_steps == 0
 
 
+class BranchesAfterBatchNorm(nn.Module):
+    """Two Linear branches read one batch-normalised activation of small variance (inputs ×0.005): the
+    batch norm's backward multiplies the summed gradient by max|γ|·invstd, about 2^8 here. The branch
+    with weights ×1e-4 sends a gradient that wants 2^10 more scale than the other's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.head = nn.Linear(32, 32)
+        self.side = nn.Linear(32, 32)
+        with torch.no_grad():
+            self.side.weight.mul_(1e-4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.pre(x * 0.005)))
+        return self.head(h) + self.side(h)
+
+
+def test_a_branch_sum_before_a_batch_norm_leaves_room_for_its_gain() -> None:
+    """The two branches' gradients meet at the batch norm's output. The common scale was the largest
+    that keeps their sum below λmax (the side branch's, 2^29); the batch norm then made it inf, and the
+    step was skipped where unscaled fp16 is finite. Bounds now include the gains of the batch norms
+    between them and the next decision."""
+    torch.manual_seed(0)
+    model, x = BranchesAfterBatchNorm(), torch.randn(64, 16)
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(x).float().square().mean() * 1e-3
+
+    assert all(torch.isfinite(g).all() for g in _plain_grads(model, loss).values())
+    scaler = GradientScaler(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.backward(loss())
+    assert scaler.step(optimizer) and scaler.skipped_steps == 0
+    totals = {layer.name: layer.log2_total for layer in scaler.layers()}
+    assert totals["side"] > totals["head"] >= totals["pre"]  # the sum: the head's scale, not the side's
+
+
 # --- Item 2: fp32's subnormal range ----------------------------------------------------------
 
 

@@ -34,23 +34,34 @@ def _step(scaler: GradientScaler, optimizer: torch.optim.Optimizer, loss: torch.
     return stepped
 
 
+def _train_measuring(model: nn.Module, lr: float, steps: int, loss_at: Callable[[int, Callable], torch.Tensor]) -> tuple[GradientScaler, list[float]]:
+    """``steps`` fp16-autocast steps of ``loss_at(t, keep)``, where ``keep`` is the hook that captures the
+    gradient to measure; returns the scaler and, per step, that gradient's fraction below λmin."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = GradientScaler(model, update_interval=100)
+    measured = []
+    for t in range(steps):
+        captured: list[torch.Tensor] = []
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_at(t, captured.append)
+        assert _step(scaler, optimizer, loss)
+        measured.append(_below_lambda_min(captured[0]))
+    return scaler, measured
+
+
 def test_gradients_that_shrink_100x_between_updates_stay_within_twice_the_target() -> None:
     """100 iterations between two scheduled updates while the gradients shrink 100× (a loss that
     falls as training converges): the drift read at each step triggers the updates it needs."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the same weights: only the loss scale changes
     x, upstream = torch.randn(128, 64), torch.randn(128, 64)
-    scaler = GradientScaler(model, update_interval=100)
-    measured = []
-    for t in range(100):
-        captured: list[torch.Tensor] = []
-        with torch.autocast("cpu", dtype=torch.float16):
-            hidden = model[1](model[0](x))
-            hidden.register_hook(captured.append)  # what layer 2 sends on, at the scale it carries
-            loss = (model[2](hidden).float() * upstream).sum() * (1e-3 * 100.0 ** (-t / 99))
-        assert _step(scaler, optimizer, loss)
-        measured.append(_below_lambda_min(captured[0]))
+
+    def loss_at(t: int, keep: Callable) -> torch.Tensor:
+        hidden = model[1](model[0](x))
+        hidden.register_hook(keep)  # what layer 2 sends on, at the scale it carries
+        return (model[2](hidden).float() * upstream).sum() * (1e-3 * 100.0 ** (-t / 99))
+
+    scaler, measured = _train_measuring(model, 0.0, 100, loss_at)  # lr 0: the same weights, only the loss scale changes
     assert max(measured) <= 2 * TARGET, [f"{m:.1e}" for m in measured]
     assert scaler.iteration == 100 and scaler.skipped_steps == 0
 
@@ -133,18 +144,14 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
     torch.manual_seed(0)
     model = nn.ModuleDict({"base": nn.Linear(64, 64), "a": nn.Linear(64, 16, bias=False), "b": nn.Linear(16, 64, bias=False)})
     nn.init.zeros_(model["b"].weight)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, upstream = torch.randn(256, 64), torch.randn(256, 64)
-    scaler = GradientScaler(model, update_interval=100)
-    measured = []
-    for _ in range(4):
-        captured: list[torch.Tensor] = []
-        with torch.autocast("cpu", dtype=torch.float16):
-            low_rank = model["a"](x)
-            low_rank.register_hook(captured.append)  # what B sends A, at the scale it carries
-            loss = ((model["base"](x) + model["b"](low_rank)).float() * upstream).sum() * 1e-3
-        assert _step(scaler, optimizer, loss)
-        measured.append(_below_lambda_min(captured[0]))
+
+    def loss_at(t: int, keep: Callable) -> torch.Tensor:
+        low_rank = model["a"](x)
+        low_rank.register_hook(keep)  # what B sends A, at the scale it carries
+        return ((model["base"](x) + model["b"](low_rank)).float() * upstream).sum() * 1e-3
+
+    _, measured = _train_measuring(model, 1e-3, 4, loss_at)
     assert measured[0] == 1.0  # B = 0 sent zeros
     assert max(measured[1:]) <= 2 * TARGET, [f"{m:.1e}" for m in measured]
 

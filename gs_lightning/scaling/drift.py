@@ -188,7 +188,7 @@ class GradientDrift:
         self.zero_at_update = frozenset()
 
     def state_dict(self) -> dict[str, Any]:
-        """The reference maxima and the recent ones, as plain containers."""
+        """The reference maxima, the gradients zero at the update and the recent maxima, as plain containers."""
         return {
             "reference": [[alpha, list(leaves), norm] for alpha, (leaves, norm) in sorted(self.reference.items())],
             "zero_at_update": sorted(self.zero_at_update),
@@ -196,7 +196,7 @@ class GradientDrift:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s reference and recent maxima."""
+        """Restore what :meth:`state_dict` holds."""
         self.reference = {int(alpha): (tuple(int(j) for j in leaves), float(norm)) for alpha, leaves, norm in state.get("reference", [])}
         self.zero_at_update = frozenset(int(j) for j in state.get("zero_at_update", []))
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]

@@ -243,7 +243,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, cache: str) -> None:
     """
     # Every step by default: GS updates its scales on some steps (every 100th, and when the gradients
     # drift), so a fixed stride samples them unevenly; steps 0, 10, 20... measured GS's ResNet-8 e5m2
-    # underflow at 0.08% where every step gives 0.32% (README, issue 14's sixth round).
+    # underflow at 0.08% where every step gives 0.32% (README, the table's seventh run).
     parser.add_argument("--underflow-every", type=int, default=1, help="measure GEMM-gradient underflow every N steps (default: every step)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / cache, help="generated datasets")
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (none if unset)")

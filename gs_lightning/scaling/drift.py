@@ -128,14 +128,14 @@ class GradientDrift:
                     at_least[leaf] = self.lambda_max * 2.0**-alpha
             position += len(norms)
         measured = {alpha: (tuple(sorted(leaves)), _largest(values)) for alpha, (leaves, values) in groups.items()}
-        zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0)
         if self._update and not non_finite:
+            zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0)
             drift = math.inf if zero - self.zero_at_update else 0.0  # decided on no values: once more, next backward
             self.reference, self.zero_at_update = measured, zero
         else:
             shrinks = [_shrink_log2(largest, self.reference[alpha][1]) for alpha, (leaves, largest) in measured.items()
                        if alpha in self.reference and self.reference[alpha][0] == leaves]
-            woke = any(leaf in at_least and leaf not in zero for leaf in self.zero_at_update)
+            woke = any(at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update)  # only these are looked at between updates
             drift = math.inf if woke else max(shrinks, default=math.nan)
         if at_least:
             self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]

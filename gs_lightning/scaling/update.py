@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -225,19 +225,29 @@ def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: 
             return gemm_totals[node]
         return kept[node]
 
-    # Post-order without recursion: a node's value needs those of the nodes it sends to.
-    stack = [(root, False) for root in range(len(graph.nodes))]
+    def targets(node: int) -> list[int]:
+        return [edge[0] for edge in graph.edges[node] if edge is not None]
+
+    for node in post_order(len(graph.nodes), targets, analysis.leaves):
+        kept[node] = max((received(t) for t in targets(node)), default=math.inf)
+    return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
+
+
+def post_order(count: int, targets: Callable[[int], list[int]], stops: Container[int]) -> Iterator[int]:
+    """Nodes ``0..count-1`` but ``stops``, each after every node it sends to (``targets``), without
+    recursion: for values that a node takes from those of the nodes downstream in the backward."""
+    done: set[int] = set()
+    stack = [(root, False) for root in range(count)]
     while stack:
         node, ready = stack.pop()
-        if node in kept or node in analysis.leaves:
+        if node in done or node in stops:
             continue
-        targets = [edge[0] for edge in graph.edges[node] if edge is not None]
         if ready:
-            kept[node] = max((received(t) for t in targets), default=math.inf)
+            done.add(node)
+            yield node
             continue
         stack.append((node, True))
-        stack.extend((t, False) for t in targets if t not in kept)
-    return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
+        stack.extend((t, False) for t in targets(node) if t not in done)
 
 
 def batch_norm_gains(graph: AutogradGraph) -> dict[int, float]:
@@ -254,23 +264,15 @@ def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[in
     largest over the paths. Nodes where that is 1 are left out."""
     if not gains:
         return {}
-    stops = analysis.leaves | analysis.layer_names.keys()
+
+    def targets(node: int) -> list[int]:  # a branch bounds its sum again
+        return [edge[0] for edge in graph.edges[node] if edge is not None and edge not in analysis.branch_slots]
+
     grown: dict[int, float] = {}
-    done: set[int] = set()
-    stack = [(root, False) for root in range(len(graph.nodes))]  # post-order without recursion, as kept_downstream
-    while stack:
-        node, ready = stack.pop()
-        if node in done or node in stops:
-            continue
-        targets = [edge[0] for edge in graph.edges[node] if edge is not None and edge not in analysis.branch_slots]
-        if ready:
-            done.add(node)
-            gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets), default=1.0)
-            if gain > 1.0:
-                grown[node] = gain
-            continue
-        stack.append((node, True))
-        stack.extend((t, False) for t in targets if t not in done)
+    for node in post_order(len(graph.nodes), targets, analysis.leaves | analysis.layer_names.keys()):
+        gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets(node)), default=1.0)
+        if gain > 1.0:
+            grown[node] = gain
     return grown
 
 

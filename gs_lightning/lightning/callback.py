@@ -151,6 +151,8 @@ class GradientScalingCallback(Callback):
         metrics.update({f"gs/underflow/{layer.name}/measured": layer.measured_underflow for layer in layers if layer.measured_underflow is not None})
         if math.isfinite(scaler.drift.drift_log2):
             metrics["gs/drift"] = scaler.drift.drift_log2
+        if math.isfinite(scaler.drift.surprise_log2):
+            metrics["gs/surprise"] = scaler.drift.surprise_log2
         metrics["gs/skipped_steps"] = float(scaler.skipped_steps)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

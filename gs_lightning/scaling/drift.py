@@ -13,6 +13,11 @@ synchronisation ``step()`` already makes for its found-inf flag.
   initialisation (a residual branch behind a zero-initialised BatchNorm weight, LoRA's zero B) and
   turn nonzero with the first step: an update that meets a newly all-zero weight gradient asks for
   another on the next backward, and between updates one that turns nonzero counts as drift.
+* **Surprise.** A weight gradient whose largest value rises above what the last update expected
+  of it (the expected maxima below) has used up part of the margin kept for it, and the next such
+  batch may overflow: it asks for an update on the next backward, which expects that batch too.
+  Without it the record waited for the next update, and on ResNet-8 (seed 0) a batch 2^1 larger
+  came first and was skipped (README "How it works").
 * **Expected maxima.** An update decides from one batch, but a weight gradient's largest value
   varies far more from batch to batch than the small values the underflow target is about (on a
   converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps).
@@ -62,11 +67,15 @@ class DriftReading:
             gradient is all zeros that was not at the update before).
         non_finite: Leaf indices (in the loss's graph) whose gradient holds inf or NaN.
         measured: Leaf indices whose gradient norms were read.
+        surprise_log2: Between updates, the most binades a weight gradient's largest value rose
+            above what the last update expected of it (:attr:`GradientDrift.expected`), negative
+            when every one stayed below; -inf on update iterations and where nothing was expected.
     """
 
     drift_log2: float = math.nan
     non_finite: frozenset[int] = frozenset()
     measured: frozenset[int] = frozenset()
+    surprise_log2: float = -math.inf
 
     @property
     def some_overflowed(self) -> bool:
@@ -75,8 +84,8 @@ class DriftReading:
 
     @property
     def drifted(self) -> bool:
-        """Whether some scale group left the tolerated band (:data:`DRIFT_TOLERANCE_LOG2`)."""
-        return self.drift_log2 >= DRIFT_TOLERANCE_LOG2
+        """Whether the scales need an update: a scale group shrank beyond :data:`DRIFT_TOLERANCE_LOG2`, or a weight gradient grew beyond what was expected of it."""
+        return self.drift_log2 >= DRIFT_TOLERANCE_LOG2 or self.surprise_log2 > 0.0
 
 
 @dataclass
@@ -88,6 +97,8 @@ class GradientDrift:
         reference: log2 scale -> (leaf indices, largest magnitude of their gradients) measured on
             the last update iteration.
         zero_at_update: Leaf indices whose gradient was all zeros on the last update iteration.
+        expected: Leaf index -> the largest value the last update expected of its gradient
+            (:meth:`expect`).
         recent: For each of the last ``window`` steps, leaf index -> largest magnitude of its
             (unscaled) gradient; where it overflowed, λmax over the scale it carried, the least it was.
         lambda_max: λmax of the gradients' format.
@@ -98,6 +109,7 @@ class GradientDrift:
     lambda_max: float = math.inf
     reference: dict[int, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     zero_at_update: frozenset[int] = frozenset()
+    expected: dict[int, float] = field(default_factory=dict)
     recent: list[dict[int, float]] = field(default_factory=list)
     last: DriftReading = field(default_factory=DriftReading)
     _pending: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = field(default_factory=list, repr=False)
@@ -115,7 +127,7 @@ class GradientDrift:
     def read(self, values: list[float]) -> DriftReading:
         """Consume the queued maxima, given their values in :meth:`pending`'s order."""
         groups: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-        position, at_least, non_finite = 0, {}, set()
+        position, at_least, non_finite, surprise = 0, {}, set(), -math.inf
         for alpha, leaves, norms in self._pending:
             group_leaves, group_maxima = groups[alpha]
             for leaf, value in zip(leaves, values[position : position + len(norms)]):
@@ -137,11 +149,12 @@ class GradientDrift:
                        if alpha in self.reference and self.reference[alpha][0] == leaves]
             woke = any(at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update)  # only these are looked at between updates
             drift = math.inf if woke else max(shrinks, default=math.nan)
+            surprise = max((math.log2(v / self.expected[j]) for j, v in at_least.items() if v > 0.0 and j in self.expected), default=-math.inf)
         if at_least:
             self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]
         self._pending.clear()
         self._update = False
-        self.last = DriftReading(drift, frozenset(non_finite), frozenset(j for leaves, _ in measured.values() for j in leaves))
+        self.last = DriftReading(drift, frozenset(non_finite), frozenset(j for leaves, _ in measured.values() for j in leaves), surprise)
         return self.last
 
     def keep_overflows_of(self, leaves: set[int] | frozenset[int]) -> None:
@@ -181,17 +194,24 @@ class GradientDrift:
         expected = torch.exp2(levels[:, -1] + spikes).tolist()
         return {leaf: value for leaf, value in zip(leaves, expected) if math.isfinite(value)}
 
+    def expect(self) -> dict[int, float]:
+        """:meth:`expected_maxima`, for an update to bound the scales by; kept, so that a batch above them asks for the next update."""
+        self.expected = self.expected_maxima()
+        return self.expected
+
     def clear_recent(self) -> None:
-        """Forget the recent maxima and the gradients zero at the update (the graph's structure changed:
-        leaf indices name other tensors)."""
+        """Forget the recent and expected maxima and the gradients zero at the update (the graph's
+        structure changed: leaf indices name other tensors)."""
         self.recent.clear()
+        self.expected = {}
         self.zero_at_update = frozenset()
 
     def state_dict(self) -> dict[str, Any]:
-        """The reference maxima, the gradients zero at the update and the recent maxima, as plain containers."""
+        """The reference maxima, the gradients zero at the update, the expected and the recent maxima, as plain containers."""
         return {
             "reference": [[alpha, list(leaves), norm] for alpha, (leaves, norm) in sorted(self.reference.items())],
             "zero_at_update": sorted(self.zero_at_update),
+            "expected": sorted([leaf, value] for leaf, value in self.expected.items()),
             "recent": [sorted([leaf, value] for leaf, value in step.items()) for step in self.recent],
         }
 
@@ -199,6 +219,7 @@ class GradientDrift:
         """Restore what :meth:`state_dict` holds."""
         self.reference = {int(alpha): (tuple(int(j) for j in leaves), float(norm)) for alpha, leaves, norm in state.get("reference", [])}
         self.zero_at_update = frozenset(int(j) for j in state.get("zero_at_update", []))
+        self.expected = {int(leaf): float(value) for leaf, value in state.get("expected", [])}
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
 
 

@@ -4,7 +4,8 @@ How it runs, in brief:
 
 * Every backward walks the new autograd graph (a few hundred nodes: well under a millisecond).
 * On an **update** iteration (the first, after a skipped step, when the graph's structure
-  changed, when the gradients drifted a binade below the last update's, and at the latest every
+  changed, when the gradients drifted a binade below the last update's or a weight gradient rose
+  above what the last update expected of it, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
   at hand: that is the only host-device synchronisation.
@@ -407,7 +408,8 @@ class GradientScaler:
     def drift(self) -> DriftReading:
         """What the last step read of the gradients between updates: by how many binades a scale
         group's gradients shrank below the update that chose its scale (≥ 1 makes the next backward
-        an update), and which gradients were non-finite. Read in the step's one synchronisation."""
+        an update), by how many a weight gradient rose above what that update expected of it
+        (> 0 does too), and which gradients were non-finite. Read in the step's one synchronisation."""
         return self._drift.last
 
     def state_dict(self) -> dict[str, Any]:
@@ -683,7 +685,7 @@ class GradientScaler:
             node_caps=self._layer_backoff.node_caps() if not path else {},
             # they keep batches to come from skipping; a saturating format clips a rare spike instead.
             # Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
-            expected_maxima={} if self.format.saturates or path else self._drift.expected_maxima(),
+            expected_maxima={} if self.format.saturates or path else self._drift.expect(),
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

@@ -250,6 +250,24 @@ def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> 
     assert len(drift.recent) == 3  # the window forgets
 
 
+def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected() -> None:
+    drift = GradientDrift(window=10, lambda_max=65504.0)
+    grads = [torch.ones(4), torch.ones(2)]
+
+    def read(values: list[float], update: bool = False) -> DriftReading:
+        drift.measure(5, (1, 2), grads, update)
+        return drift.read(values)
+
+    drift.recent = [{1: 2.0**-10, 2: 2.0**-4}] * 3
+    assert drift.expect() == {1: 2.0**-10, 2: 2.0**-4} == drift.expected  # what the update bounds the scales by
+    assert read([2.0**-11, 2.0**-4], update=True).surprise_log2 == -math.inf  # an update's own batch is decided on
+    below = read([2.0**-11, 2.0**-4.5])  # the group's largest, leaf 2's, shrank half a binade: no drift
+    assert below.surprise_log2 == pytest.approx(-0.5) and not below.drifted
+    above = read([2.0**-8, 2.0**-4.5])  # leaf 1, 2^2 above what was expected
+    assert above.surprise_log2 == pytest.approx(2.0) and above.drift_log2 < 1.0 and above.drifted
+    assert drift.expected == {1: 2.0**-10, 2: 2.0**-4}  # until the next update expects anew
+
+
 def test_a_gradient_all_zeros_at_the_update_asks_for_one_more_and_drifts_when_it_wakes() -> None:
     drift = GradientDrift(window=10)
     grads = [torch.ones(4), torch.ones(2)]
@@ -273,16 +291,16 @@ def test_expected_maxima_follow_a_falling_level_and_remember_spikes() -> None:
     assert expected == {1: -4.0, 2: -8.0}  # leaf 2's window maximum would have been 2^0
 
 
-def _hard_batches(scaler: GradientScaler, model: nn.Module) -> list[int]:
-    """40 steps, every 7th batch's gradients 2^8 larger; returns the skipped steps."""
+def _hard_batches(scaler: GradientScaler, model: nn.Module, log2_spikes: tuple[int, ...] = (8,) * 5) -> list[int]:
+    """40 steps, every 7th batch a hard one, the n-th with gradients 2^log2_spikes[n] larger; returns the skipped steps."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(1024, 64) * 1024  # large inputs: the weight gradients bound the scale, not ∇X
     skipped = []
     for step in range(40):
-        hard = step % 7 == 6
+        spike = log2_spikes[step // 7] if step % 7 == 6 else 0
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().square().mean() * 2.0 ** (-6 if hard else -14)
+            loss = model(x).float().square().mean() * 2.0 ** (spike - 14)
         scaler.backward(loss)
         if not scaler.step(optimizer):
             skipped.append(step)
@@ -301,6 +319,18 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> 
     scaler = GradientScaler(model)
     assert _hard_batches(scaler, model) == [6, 13]
     assert any(layer.limited_by == "overflow of the parameter gradients of recent batches" for layer in scaler.layers())
+
+
+def test_a_batch_above_what_the_update_expected_asks_for_the_next_update() -> None:
+    """Hard batches whose spikes grow by 2^2 each time: each fits in the margin kept above the
+    spikes the last update saw, the next one no longer does. The batch that rose above what was
+    expected asks for an update, which expects it. Before, the record waited for the next update
+    and the hard batches at steps 20 and 34 overflowed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    scaler = GradientScaler(model)
+    assert _hard_batches(scaler, model, (2, 4, 6, 8, 10)) == [6]  # the first hard batch: nothing to expect it from
+    assert scaler.drift.surprise_log2 < 0.0  # the last batch, an easy one, stayed below what was expected
 
 
 def test_a_cast_sends_no_more_scale_than_the_layer_it_feeds_keeps() -> None:

@@ -230,14 +230,20 @@ def test_a_resumed_scaler_continues_as_the_uninterrupted_one() -> None:
     assert uninterrupted.state_dict()["drift"]["reference"] and uninterrupted.state_dict()["layer_backoff"]
 
 
-def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> None:
-    drift = GradientDrift(window=3, lambda_max=65504.0)
+def _reader(drift: GradientDrift, alpha: int) -> Callable[..., DriftReading]:
+    """``read(values, update=False)``: leaves 1 and 2 measured as one scale group at 2^alpha, read as having maxima ``values``."""
     grads = [torch.ones(4), torch.ones(2)]
 
     def read(values: list[float], update: bool = False) -> DriftReading:
-        drift.measure(5, (1, 2), grads, update)
+        drift.measure(alpha, (1, 2), grads, update)
         return drift.read(values)
 
+    return read
+
+
+def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> None:
+    drift = GradientDrift(window=3, lambda_max=65504.0)
+    read = _reader(drift, 5)
     assert read([3.0, 4.0], update=True).drift_log2 == 0.0  # the reference: the group's largest, 4
     grown = read([12.0, 16.0])  # 4× the update's
     assert grown.drift_log2 == pytest.approx(-2.0) and not grown.drifted
@@ -252,12 +258,7 @@ def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> 
 
 def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected() -> None:
     drift = GradientDrift(window=10, lambda_max=65504.0)
-    grads = [torch.ones(4), torch.ones(2)]
-
-    def read(values: list[float], update: bool = False) -> DriftReading:
-        drift.measure(5, (1, 2), grads, update)
-        return drift.read(values)
-
+    read = _reader(drift, 5)
     drift.recent = [{1: 2.0**-10, 2: 2.0**-4}] * 3
     assert drift.expect() == {1: 2.0**-10, 2: 2.0**-4} == drift.expected  # what the update bounds the scales by
     assert read([2.0**-11, 2.0**-4], update=True).surprise_log2 == -math.inf  # an update's own batch is decided on
@@ -270,12 +271,7 @@ def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected
 
 def test_a_gradient_all_zeros_at_the_update_asks_for_one_more_and_drifts_when_it_wakes() -> None:
     drift = GradientDrift(window=10)
-    grads = [torch.ones(4), torch.ones(2)]
-
-    def read(values: list[float], update: bool = False) -> DriftReading:
-        drift.measure(3, (1, 2), grads, update)
-        return drift.read(values)
-
+    read = _reader(drift, 3)
     assert read([0.0, 4.0], update=True).drifted  # leaf 1 newly all zeros: decide once more
     assert read([0.0, 4.0], update=True).drift_log2 == 0.0  # still zeros: no update loop
     assert not read([0.0, 4.0]).drifted

@@ -149,7 +149,8 @@ class GradientDrift:
                        if alpha in self.reference and self.reference[alpha][0] == leaves]
             woke = any(at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update)  # only these are looked at between updates
             drift = math.inf if woke else max(shrinks, default=math.nan)
-            surprise = max((math.log2(v / self.expected[j]) for j, v in at_least.items() if v > 0.0 and j in self.expected), default=-math.inf)
+            ratio = max((v / self.expected[j] for j, v in at_least.items() if j in self.expected), default=0.0)  # one log2, not one per gradient
+            surprise = math.log2(ratio) if ratio > 0.0 else -math.inf
         if at_least:
             self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]
         self._pending.clear()

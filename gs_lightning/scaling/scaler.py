@@ -36,7 +36,7 @@ from torch.autograd.graph import Node
 
 from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerPlan, compiled_modules, replay_hooks
-from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, overflow_caps, overflow_leaves, unscale_check_and_measure
+from gs_lightning.scaling.drift import DRIFT_TOLERANCE_LOG2, DriftReading, GradientDrift, LayerBackoff, overflow_caps, overflow_leaves, unscale_check_and_measure
 from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
@@ -678,6 +678,7 @@ class GradientScaler:
         return Settings(
             underflow_rate=self.underflow_rate,
             lambda_min=self.lambda_min_value,
+            lambda_lost=self.format.subnormal_min * 2.0**DRIFT_TOLERANCE_LOG2,
             lambda_max=self.format.max,
             relu_factor=self.relu_factor,
             layer_cap=_log2_floor(self.max_layer_scale),

@@ -50,6 +50,9 @@ class Settings:
     Attributes:
         underflow_rate: γ', the target underflow rate.
         lambda_min: λmin of the underflow model.
+        lambda_lost: Below this a gradient's value is lost, not only less precise: the format's
+            smallest subnormal, raised by the drift the scales tolerate between updates. Spike room
+            (:data:`SPIKE_ROOM_LOG2`) may lower a GEMM's scale as far as this bound allows.
         lambda_max: λmax, the format's largest finite value.
         relu_factor: Multiplies the accumulation length of Lemma 1.
         layer_cap: log2 cap on each local scale, or ``None``.
@@ -61,6 +64,7 @@ class Settings:
 
     underflow_rate: float
     lambda_min: float
+    lambda_lost: float
     lambda_max: float
     relu_factor: float
     layer_cap: int | None
@@ -88,7 +92,8 @@ class LayerScale:
             lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
             batches"``: the values its weight and bias gradients are expected to reach, from the last
             ``update_interval`` steps), :data:`KEPT_DOWNSTREAM` (the layers it feeds are held lower by
-            their parameter gradients), ``"max_layer_scale"``, ``"accumulated-scale cap"``
+            their parameter gradients), :data:`SPIKE_ROOM` (its outputs keep γ' against the format's
+            subnormal range but not its normal range), ``"max_layer_scale"``, ``"accumulated-scale cap"``
             (``max_total_scale``, or the back-off after an overflow no layer could be named for)
             or ``"back-off of this layer"`` (after its gradients overflowed).
     """
@@ -197,6 +202,13 @@ WEIGHT_GRAD_MARGIN_LOG2 = 0.5
 # on bench/compare_training.py).
 EXPECTED_MAXIMA_MARGIN_LOG2 = 3.0
 EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
+# More headroom above those expected maxima, in binades, where it costs only precision: a GEMM's
+# scale is lowered by up to this much while its outputs still meet γ' against Settings.lambda_lost
+# (values land in the format's subnormal range, they do not round to zero). fp16's normal range
+# asked ResNet-8's 5.conv2 for 2^23 where 2^16 lost nothing, and a batch 3.7 binades above the
+# expected maxima overflowed it (README "How it works": chosen on bench/compare_training.py).
+SPIKE_ROOM_LOG2 = 3.0
+SPIKE_ROOM = "room for spikes where only precision is lost"
 KEPT_DOWNSTREAM = "scale the layers it feeds keep"
 
 
@@ -544,8 +556,12 @@ class UpdateRun:
         cap = self._total_cap(i)
         return exponent if cap is None else min(exponent, cap)
 
-    def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float]) -> tuple[int, str]:
-        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``."""
+    def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float], lost_lower: float = -math.inf) -> tuple[int, str]:
+        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``.
+
+        ``lost_lower``: the underflow bound against :attr:`Settings.lambda_lost`, down to which
+        :data:`SPIKE_ROOM_LOG2` may lower the scale under expected parameter-gradient maxima.
+        """
         s = self.settings
         # Exact bounds keep at least REPLAY_HEADROOM_LOG2 for the replays; the others are loose already.
         limits = {name: bound - (REPLAY_HEADROOM_LOG2 if _exact(name) else 0.0) for name, bound in limits.items()}
@@ -558,7 +574,13 @@ class UpdateRun:
         if i in self._kept_downstream:
             caps[KEPT_DOWNSTREAM] = self._kept_downstream[i] - alpha
         caps = {name: cap for name, cap in caps.items() if cap is not None}
-        beta = choose_log2_scale(lower, upper, min(caps.values(), default=None))
+        ceiling = min(caps.values(), default=None)
+        beta = choose_log2_scale(lower, upper, ceiling)
+        if EXPECTED_PARAMETER_GRADIENTS in limits and lost_lower < lower:
+            roomy = min(bound - (SPIKE_ROOM_LOG2 if name == EXPECTED_PARAMETER_GRADIENTS else 0.0) for name, bound in limits.items())
+            with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
+            if with_room < beta:
+                return with_room, SPIKE_ROOM
         if not math.isfinite(lower) or beta >= math.ceil(lower):
             return beta, ""
         binding = next((name for name, cap in caps.items() if beta == cap), None)
@@ -617,7 +639,7 @@ class UpdateRun:
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
-        beta, limited_by = self._choose(i, alpha, lower, limits)
+        beta, limited_by = self._choose(i, alpha, lower, limits, lower - math.log2(s.lambda_min / s.lambda_lost))
         measured = [v.underflow_rate(beta, s.lambda_min) for v in samples]
         rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
         self.layers.append(

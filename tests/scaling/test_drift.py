@@ -16,7 +16,8 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff
+from gs_lightning.scaling.drift import DRIFT_TOLERANCE_LOG2, DriftReading, GradientDrift, LayerBackoff
+from gs_lightning.scaling.update import SPIKE_ROOM
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
@@ -287,16 +288,22 @@ def test_expected_maxima_follow_a_falling_level_and_remember_spikes() -> None:
     assert expected == {1: -4.0, 2: -8.0}  # leaf 2's window maximum would have been 2^0
 
 
-def _hard_batches(scaler: GradientScaler, model: nn.Module, log2_spikes: tuple[int, ...] = (8,) * 5) -> list[int]:
-    """40 steps, every 7th batch a hard one, the n-th with gradients 2^log2_spikes[n] larger; returns the skipped steps."""
+def _large_inputs(model: nn.Module) -> torch.Tensor:
+    """A squared output of large inputs: the weight gradients bound the scale, not ∇X."""
+    return model(torch.randn(1024, 64, generator=torch.Generator().manual_seed(1)) * 1024).float().square().mean() * 2.0**-14
+
+
+def _hard_batches(
+    scaler: GradientScaler, model: nn.Module, log2_spikes: tuple[int, ...] = (8,) * 5, loss_of: Callable[[nn.Module], torch.Tensor] = _large_inputs
+) -> list[int]:
+    """40 steps of ``loss_of`` under fp16 autocast, every 7th batch a hard one, the n-th with gradients 2^log2_spikes[n] larger; returns the skipped steps."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    x = torch.randn(1024, 64) * 1024  # large inputs: the weight gradients bound the scale, not ∇X
     skipped = []
     for step in range(40):
         spike = log2_spikes[step // 7] if step % 7 == 6 else 0
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().square().mean() * 2.0 ** (spike - 14)
+            loss = loss_of(model) * 2.0**spike
         scaler.backward(loss)
         if not scaler.step(optimizer):
             skipped.append(step)
@@ -327,6 +334,36 @@ def test_a_batch_above_what_the_update_expected_asks_for_the_next_update() -> No
     scaler = GradientScaler(model)
     assert _hard_batches(scaler, model, (2, 4, 6, 8, 10)) == [6]  # the first hard batch: nothing to expect it from
     assert scaler.drift.surprise_log2 < 0.0  # the last batch, an easy one, stayed below what was expected
+
+
+def _few_hard_examples(model: nn.Module) -> torch.Tensor:
+    """Examples weighted over 16 binades (a converged task): the easy ones' gradients ask for a
+    high scale, the hard ones make the weight gradients large."""
+    generator = torch.Generator().manual_seed(1)
+    x, log2_weights = torch.randn(64, 64, generator=generator), torch.rand(64, generator=generator) * 16
+    return (model(x).float().squeeze(-1) * 2.0**-log2_weights).sum() * 2.0**-10
+
+
+def test_spike_room_is_kept_where_only_precision_is_lost() -> None:
+    """fp16's normal range asks the first layer for a scale right below what its expected weight
+    gradients allow, and a hard batch 4 binades above the last one overflowed it (step 13; ResNet-8
+    seed 0's skip at step 72). Below the normal range lie fp16's subnormals, where values keep fewer
+    bits but do not round to zero: the layer gives up that precision for room, not the values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    scaler = GradientScaler(model)
+    assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples) == [6]  # nothing expected the first
+    first = scaler.layers()[-1]
+    assert first.limited_by == SPIKE_ROOM
+    lost = scaler.format.subnormal_min * 2.0**DRIFT_TOLERANCE_LOG2 * 2.0**-first.log2_total
+    weight_grad = model[0].weight.grad[model[0].weight.grad != 0].abs()
+    assert (weight_grad < lost).float().mean() <= 1e-3
+    # With λmin the subnormal minimum, nothing below λmin is only imprecise: no room is taken.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    scaler = GradientScaler(model, lambda_min="subnormal")
+    _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples)
+    assert SPIKE_ROOM not in {layer.limited_by for layer in scaler.layers()}
 
 
 def test_a_cast_sends_no_more_scale_than_the_layer_it_feeds_keeps() -> None:

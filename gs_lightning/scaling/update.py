@@ -92,8 +92,8 @@ class LayerScale:
             lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
             batches"``: the values its weight and bias gradients are expected to reach, from the last
             ``update_interval`` steps), :data:`KEPT_DOWNSTREAM` (the layers it feeds are held lower by
-            their parameter gradients), :data:`SPIKE_ROOM` (its outputs keep γ' against the format's
-            subnormal range but not its normal range), ``"max_layer_scale"``, ``"accumulated-scale cap"``
+            their parameter gradients), :data:`SPIKE_ROOM` (the same, with more room for them: its outputs
+            keep γ' against the format's subnormal range, not its normal range), ``"max_layer_scale"``, ``"accumulated-scale cap"``
             (``max_total_scale``, or the back-off after an overflow no layer could be named for)
             or ``"back-off of this layer"`` (after its gradients overflowed).
     """
@@ -208,7 +208,7 @@ EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
 # asked ResNet-8's 5.conv2 for 2^23 where 2^16 lost nothing, and a batch 3.7 binades above the
 # expected maxima overflowed it (README "How it works": chosen on bench/compare_training.py).
 SPIKE_ROOM_LOG2 = 3.0
-SPIKE_ROOM = "room for spikes where only precision is lost"
+SPIKE_ROOM = f"overflow of the {EXPECTED_PARAMETER_GRADIENTS}, with room where only precision is lost"
 KEPT_DOWNSTREAM = "scale the layers it feeds keep"
 
 

@@ -23,8 +23,8 @@ TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
 
 
-def _below_lambda_min(grad: torch.Tensor) -> float:
-    return float((grad.float().abs() < LAMBDA_MIN).double().mean())
+def _below(grad: torch.Tensor, threshold: float = LAMBDA_MIN) -> float:
+    return float((grad.float().abs() < threshold).double().mean())
 
 
 def _step(scaler: GradientScaler, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
@@ -35,9 +35,11 @@ def _step(scaler: GradientScaler, optimizer: torch.optim.Optimizer, loss: torch.
     return stepped
 
 
-def _train_measuring(model: nn.Module, lr: float, steps: int, loss_at: Callable[[int, Callable], torch.Tensor]) -> tuple[GradientScaler, list[float]]:
+def _train_measuring(
+    model: nn.Module, lr: float, steps: int, loss_at: Callable[[int, Callable], torch.Tensor], threshold: float = LAMBDA_MIN
+) -> tuple[GradientScaler, list[float]]:
     """``steps`` fp16-autocast steps of ``loss_at(t, keep)``, where ``keep`` is the hook that captures the
-    gradient to measure; returns the scaler and, per step, that gradient's fraction below λmin."""
+    gradient to measure; returns the scaler and, per step, that gradient's fraction below ``threshold`` (λmin)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = GradientScaler(model, update_interval=100)
     measured = []
@@ -46,7 +48,7 @@ def _train_measuring(model: nn.Module, lr: float, steps: int, loss_at: Callable[
         with torch.autocast("cpu", dtype=torch.float16):
             loss = loss_at(t, captured.append)
         assert _step(scaler, optimizer, loss)
-        measured.append(_below_lambda_min(captured[0]))
+        measured.append(_below(captured[0], threshold))
     return scaler, measured
 
 
@@ -85,7 +87,7 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
         loss = ((model[2](hidden).float() - y) ** 2).mean() * 1e-4
     scaler.backward(loss)
     head = next(layer for layer in scaler.layers() if layer.name == "2")
-    assert _below_lambda_min(captured[0]) <= 2 * TARGET
+    assert _below(captured[0]) <= 2 * TARGET
     assert head.measured_underflow <= 2 * TARGET
     # Its estimate still misses γ' (no power of two fits both ∇X and ∇W): layers() says why.
     assert head.underflow_rate > TARGET and head.limited_by == "overflow of the weight gradient"
@@ -141,7 +143,8 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
     """LoRA's zero-initialised B: on the first update nothing reaches A (B = 0 sends zeros), so A's
     layer has nothing to decide on; one SGD step later B is small, and what it sends to A fell
     below λmin until an update saw it (87% of it before this rule). The update that met all-zero
-    weight gradients asks for another on the next backward."""
+    weight gradients asks for another on the next backward. B's weight gradients, large beside what
+    it sends, take spike room (fp16's subnormals) from those values: none of them is lost."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"base": nn.Linear(64, 64), "a": nn.Linear(64, 16, bias=False), "b": nn.Linear(16, 64, bias=False)})
     nn.init.zeros_(model["b"].weight)
@@ -152,9 +155,11 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
         low_rank.register_hook(keep)  # what B sends A, at the scale it carries
         return ((model["base"](x) + model["b"](low_rank)).float() * upstream).sum() * 1e-3
 
-    _, measured = _train_measuring(model, 1e-3, 4, loss_at)
+    lost = 2.0**-24 * 2.0**DRIFT_TOLERANCE_LOG2
+    scaler, measured = _train_measuring(model, 1e-3, 4, loss_at, threshold=lost)
     assert measured[0] == 1.0  # B = 0 sent zeros
     assert max(measured[1:]) <= 2 * TARGET, [f"{m:.1e}" for m in measured]
+    assert {layer.name: layer.limited_by for layer in scaler.layers()}["b"] == SPIKE_ROOM
 
 
 def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> None:
@@ -174,7 +179,7 @@ def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> Non
     after = {layer.name: layer for layer in scaler.layers()}
     assert after["b"].log2_total == before["b"] and after["b.cast"].log2_total == before["b.cast"]
     # the overflow is remembered as a spike of head a's weight gradient, which holds it below its back-off
-    assert after["a"].log2_total < before["a"] and after["a"].limited_by == "overflow of the parameter gradients of recent batches"
+    assert after["a"].log2_total < before["a"] and after["a"].limited_by.startswith("overflow of the parameter gradients of recent batches")
 
 
 @pytest.mark.parametrize("case", list(CASES))

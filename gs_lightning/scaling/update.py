@@ -91,11 +91,11 @@ class LayerScale:
         limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
             lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
             batches"``: the values its weight and bias gradients are expected to reach, from the last
-            ``update_interval`` steps), :data:`KEPT_DOWNSTREAM` (the layers it feeds are held lower by
-            their parameter gradients), :data:`SPIKE_ROOM` (the same, with more room for them: its outputs
-            keep γ' against the format's subnormal range, not its normal range), ``"max_layer_scale"``, ``"accumulated-scale cap"``
-            (``max_total_scale``, or the back-off after an overflow no layer could be named for)
-            or ``"back-off of this layer"`` (after its gradients overflowed).
+            ``update_interval`` steps; :data:`SPIKE_ROOM` where more room was kept for them because
+            its outputs still meet γ' against the format's subnormal range), :data:`KEPT_DOWNSTREAM`
+            (the layers it feeds are held lower by their parameter gradients), ``"max_layer_scale"``,
+            ``"accumulated-scale cap"`` (``max_total_scale``, or the back-off after an overflow no
+            layer could be named for) or ``"back-off of this layer"`` (after its gradients overflowed).
     """
 
     name: str

@@ -115,7 +115,9 @@ class GradientScaler:
         lambda_min: Which λmin the underflow model uses: ``"normal"``, the smallest normal number
             (values below it keep fewer significant bits), or ``"subnormal"``, the smallest
             subnormal (the paper's 6e-8 for float16). ``"normal"`` is the default because it
-            measured closer to fp32 (README, ``bench/fidelity.py``).
+            measured closer to fp32 (README, ``bench/fidelity.py``); where a layer's weight
+            gradients need room for their spikes, it gives up some of that precision, never
+            values (``layers()``: "with room where only precision is lost").
         relu_factor: Multiplies the accumulation length N in Lemma 1. The paper uses 1/2 when a
             ReLU zeroes half of ∇Y; the default 1 fits because σ(∇Y) is measured on the actual
             gradient, zeros included.

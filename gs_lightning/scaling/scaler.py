@@ -205,6 +205,12 @@ class GradientScaler:
         return self.format.normal_min if self.lambda_min == "normal" else self.format.subnormal_min
 
     @property
+    def lambda_lost_value(self) -> float:
+        """Below this a gradient's value is lost, not only less precise: the smallest subnormal, raised
+        by the drift tolerated between updates (what spike room keeps γ' against)."""
+        return self.format.subnormal_min * 2.0**DRIFT_TOLERANCE_LOG2
+
+    @property
     def iteration(self) -> int:
         """Number of backward passes run through this scaler."""
         return self._iteration
@@ -680,7 +686,7 @@ class GradientScaler:
         return Settings(
             underflow_rate=self.underflow_rate,
             lambda_min=self.lambda_min_value,
-            lambda_lost=self.format.subnormal_min * 2.0**DRIFT_TOLERANCE_LOG2,
+            lambda_lost=self.lambda_lost_value,
             lambda_max=self.format.max,
             relu_factor=self.relu_factor,
             layer_cap=_log2_floor(self.max_layer_scale),

@@ -556,11 +556,11 @@ class UpdateRun:
         cap = self._total_cap(i)
         return exponent if cap is None else min(exponent, cap)
 
-    def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float], lost_lower: float = -math.inf) -> tuple[int, str]:
+    def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float]) -> tuple[int, str]:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``.
 
-        ``lost_lower``: the underflow bound against :attr:`Settings.lambda_lost`, down to which
-        :data:`SPIKE_ROOM_LOG2` may lower the scale under expected parameter-gradient maxima.
+        Under expected parameter-gradient maxima, :data:`SPIKE_ROOM_LOG2` may lower the scale as far
+        as the same bound against :attr:`Settings.lambda_lost` allows.
         """
         s = self.settings
         # Exact bounds keep at least REPLAY_HEADROOM_LOG2 for the replays; the others are loose already.
@@ -576,7 +576,8 @@ class UpdateRun:
         caps = {name: cap for name, cap in caps.items() if cap is not None}
         ceiling = min(caps.values(), default=None)
         beta = choose_log2_scale(lower, upper, ceiling)
-        if EXPECTED_PARAMETER_GRADIENTS in limits and lost_lower < lower:
+        if EXPECTED_PARAMETER_GRADIENTS in limits and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
+            lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
             roomy = min(bound - (SPIKE_ROOM_LOG2 if name == EXPECTED_PARAMETER_GRADIENTS else 0.0) for name, bound in limits.items())
             with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
             if with_room < beta:
@@ -639,7 +640,7 @@ class UpdateRun:
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
-        beta, limited_by = self._choose(i, alpha, lower, limits, lower - math.log2(s.lambda_min / s.lambda_lost))
+        beta, limited_by = self._choose(i, alpha, lower, limits)
         measured = [v.underflow_rate(beta, s.lambda_min) for v in samples]
         rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
         self.layers.append(

@@ -21,6 +21,7 @@ from gs_lightning.scaling.update import SPIKE_ROOM
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
+LAMBDA_LOST = 2.0**-24 * 2.0**DRIFT_TOLERANCE_LOG2  # GradientScaler.lambda_lost_value for float16
 
 
 def _below(grad: torch.Tensor, threshold: float = LAMBDA_MIN) -> float:
@@ -155,8 +156,7 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
         low_rank.register_hook(keep)  # what B sends A, at the scale it carries
         return ((model["base"](x) + model["b"](low_rank)).float() * upstream).sum() * 1e-3
 
-    lost = 2.0**-24 * 2.0**DRIFT_TOLERANCE_LOG2
-    scaler, measured = _train_measuring(model, 1e-3, 4, loss_at, threshold=lost)
+    scaler, measured = _train_measuring(model, 1e-3, 4, loss_at, threshold=LAMBDA_LOST)
     assert measured[0] == 1.0  # B = 0 sent zeros
     assert max(measured[1:]) <= 2 * TARGET, [f"{m:.1e}" for m in measured]
     assert {layer.name: layer.limited_by for layer in scaler.layers()}["b"] == SPIKE_ROOM
@@ -360,7 +360,7 @@ def test_spike_room_is_kept_where_only_precision_is_lost() -> None:
     assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples) == [6]  # nothing expected the first
     first = scaler.layers()[-1]
     assert first.limited_by == SPIKE_ROOM
-    lost = scaler.format.subnormal_min * 2.0**DRIFT_TOLERANCE_LOG2 * 2.0**-first.log2_total
+    lost = scaler.lambda_lost_value * 2.0**-first.log2_total
     weight_grad = model[0].weight.grad[model[0].weight.grad != 0].abs()
     assert (weight_grad < lost).float().mean() <= 1e-3
     # With λmin the subnormal minimum, nothing below λmin is only imprecise: no room is taken.

@@ -156,7 +156,8 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
     if layers:
         lines += [
             "",
-            f"Per-layer gradient scales (last update; {scaler.skipped_steps} skipped steps):",
+            f"Per-layer gradient scales (last update; {scaler.skipped_steps} skipped steps, "
+            f"{scaler.recomputed_steps} with weight gradients recomputed):",
             f"  {'layer':<32} {'log2 scale':>10} {'log2 total':>10} {'est. underflow':>15}",
         ]
         lines += [

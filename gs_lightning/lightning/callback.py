@@ -45,7 +45,8 @@ class GradientScalingCallback(Callback):
       ``gs/underflow/<layer>/measured`` the rate measured on the update's exact fp32 probes,
     * ``gs/drift``: by how many binades the gradients shrank below the last update (measured at
       every step; from 1 on, the next backward updates the scales),
-    * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients,
+    * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients, and
+      ``gs/recomputed_steps`` those taken although a weight gradient overflowed (recomputed in fp32),
 
     * ``gs/total/<layer>``: log2 of the accumulated scale its outgoing gradient carries (its own
       scale times those of every layer after it in the forward pass),
@@ -154,6 +155,7 @@ class GradientScalingCallback(Callback):
         if math.isfinite(scaler.drift.surprise_log2):
             metrics["gs/surprise"] = scaler.drift.surprise_log2
         metrics["gs/skipped_steps"] = float(scaler.skipped_steps)
+        metrics["gs/recomputed_steps"] = float(scaler.recomputed_steps)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -168,6 +168,13 @@ class GradientDrift:
         if self.recent:
             self.recent[-1] = {leaf: v for leaf, v in self.recent[-1].items() if leaf in leaves or leaf not in self.last.non_finite}
 
+    def recomputed(self, maxima: Mapping[int, float]) -> None:
+        """The last step's overflowed gradients of ``maxima``'s leaves were recomputed: their true largest
+        values replace the lower bounds recorded for them, and they are no longer non-finite."""
+        if self.recent:
+            self.recent[-1] = {**self.recent[-1], **{leaf: v for leaf, v in maxima.items() if math.isfinite(v)}}
+        self.last = replace(self.last, non_finite=self.last.non_finite - frozenset(maxima))
+
     def discard(self) -> None:
         """Forget queued maxima that no step read (the iteration ended without a step)."""
         self._pending.clear()
@@ -183,6 +190,14 @@ class GradientDrift:
         that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the median) is
         expected. Computed on update iterations only, on the host (one small tensor).
         """
+        return self._log2_maxima(spikes=True)
+
+    def levels(self) -> dict[int, float]:
+        """Leaf index -> its gradient's level now, without the spikes: :meth:`expected_maxima` for the
+        GEMMs whose weight gradients are recomputed when a spike overflows them (:mod:`~gs_lightning.scaling.recompute`)."""
+        return self._log2_maxima(spikes=False)
+
+    def _log2_maxima(self, spikes: bool) -> dict[int, float]:
         leaves = sorted({leaf for step in self.recent for leaf in step})
         if not leaves:
             return {}
@@ -191,9 +206,10 @@ class GradientDrift:
         # levels[:, t]: the median of the (up to) LEVEL_STEPS steps before step t; the last, of the last ones
         padded = torch.cat([torch.full((len(leaves), LEVEL_STEPS), math.nan, dtype=torch.float64), x], dim=1)
         levels = padded.unfold(1, LEVEL_STEPS, 1).nanmedian(dim=-1).values
-        spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
-        expected = torch.exp2(levels[:, -1] + spikes).tolist()
-        return {leaf: value for leaf, value in zip(leaves, expected) if math.isfinite(value)}
+        log2_maxima = levels[:, -1]
+        if spikes:
+            log2_maxima = log2_maxima + (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
+        return {leaf: value for leaf, value in zip(leaves, torch.exp2(log2_maxima).tolist()) if math.isfinite(value)}
 
     def expect(self) -> dict[int, float]:
         """:meth:`expected_maxima`, for an update to bound the scales by; kept, so that a batch above them asks for the next update."""

@@ -115,12 +115,17 @@ def _post_hook(factors: tuple[float | None, ...]) -> Callable[[tuple, tuple], tu
 
 @dataclass
 class ScalePlan:
-    """Every scale decided on the last update iteration, for one graph structure."""
+    """Every scale decided on the last update iteration, for one graph structure.
+
+    ``recomputable``: the GEMM nodes whose scale sits above the spikes of their weight gradients,
+    which the replays recompute if they overflow (:mod:`~gs_lightning.scaling.recompute`).
+    """
 
     names: tuple[str, ...]
     edges: tuple[tuple[Slot | None, ...], ...]
     alpha_out: dict[int, int]
     slot_alpha: dict[Slot, int]
+    recomputable: frozenset[int] = frozenset()
     _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(default_factory=dict, repr=False)
 
     def matches(self, graph: AutogradGraph) -> bool:
@@ -176,6 +181,7 @@ class ScalePlan:
             "edges": [[list(e) if e is not None else None for e in edges] for edges in self.edges],
             "alpha_out": sorted(self.alpha_out.items()),
             "slot_alpha": sorted((j, s, a) for (j, s), a in self.slot_alpha.items()),
+            "recomputable": sorted(self.recomputable),
         }
 
     @classmethod
@@ -186,4 +192,5 @@ class ScalePlan:
             edges=tuple(tuple(tuple(e) if e is not None else None for e in edges) for edges in state["edges"]),
             alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
             slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
+            recomputable=frozenset(int(i) for i in state.get("recomputable", [])),
         )

@@ -36,12 +36,21 @@ from torch.autograd.graph import Node
 
 from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerPlan, compiled_modules, replay_hooks
-from gs_lightning.scaling.drift import DRIFT_TOLERANCE_LOG2, DriftReading, GradientDrift, LayerBackoff, overflow_caps, overflow_leaves, unscale_check_and_measure
+from gs_lightning.scaling.drift import (
+    DRIFT_TOLERANCE_LOG2,
+    DriftReading,
+    GradientDrift,
+    LayerBackoff,
+    overflow_caps,
+    overflow_leaves,
+    unscale_check_and_measure,
+)
 from gs_lightning.scaling.finite import any_non_finite
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
+from gs_lightning.scaling.recompute import WeightGradRecompute, largest
 from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun
 
 _MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
@@ -180,6 +189,8 @@ class GradientScaler:
         self._first_non_finite: str | None = None
         self._drift = GradientDrift(window=update_interval, lambda_max=self.format.max)  # largest weight gradients: drift, recent maxima, overflows
         self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
+        self._recompute = WeightGradRecompute()  # what the replay keeps to recompute weight gradients that overflow
+        self._recomputed_steps = 0
         self._prepared: _PreparedBackward | None = None
         # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
         # .grad tensors those flags cover, with their version counters then. Any other .grad (unscaled during
@@ -219,6 +230,11 @@ class GradientScaler:
     def skipped_steps(self) -> int:
         """Number of optimizer steps skipped because a gradient was non-finite."""
         return self._skipped_steps
+
+    @property
+    def recomputed_steps(self) -> int:
+        """Steps taken although a weight gradient overflowed: it was recomputed in fp32 (:mod:`~gs_lightning.scaling.recompute`)."""
+        return self._recomputed_steps
 
     @property
     def consecutive_skips(self) -> int:
@@ -354,9 +370,28 @@ class GradientScaler:
             parts = [f.to(device) for f in flags] + ([torch.stack(norms).to(device)] if norms else [])
             values = torch.cat(parts).tolist()  # the flags and the drift statistic in one sync
             self._flags_read = any(values[: len(flags)])
-            if self._drift.read(values[len(flags) :]).drifted:
+            self._drift.read(values[len(flags) :])
+            if self._flags_read and self._recompute_overflows():
+                self._flags_read = False
+            if self._drift.last.drifted:
                 self._force_update = True
         return self._flags_read
+
+    def _recompute_overflows(self) -> bool:
+        """Where every non-finite gradient is a weight gradient that overflowed by itself at a GEMM the replay
+        kept the operands of, recompute those in fp32 into ``.grad``; whether it did (the step can go on)."""
+        reading = self._drift.last
+        if not reading.some_overflowed:
+            return False
+        grads = self._recompute.recompute(reading.non_finite)
+        if grads is None:
+            return False
+        for parameter, grad in grads.values():
+            parameter.grad.copy_(grad)
+        self._checked.clear()  # the step reads every gradient again: the flags covered more than the recomputed ones
+        self._drift.recomputed(largest({j: grad for j, (_, grad) in grads.items()}))
+        self._recomputed_steps += 1
+        return True
 
     def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether one of ``optimizer``'s gradients is non-finite, reading the flags where they suffice."""
@@ -396,6 +431,7 @@ class GradientScaler:
         self._found_inf_flags.clear()
         self._flags_read = None
         self._drift.discard()
+        self._recompute.clear()
         self._checked.clear()
         self._written.clear()
         self._skipped_this_iteration = False
@@ -425,6 +461,7 @@ class GradientScaler:
         return {
             "iteration": self._iteration,
             "skipped_steps": self._skipped_steps,
+            "recomputed_steps": self._recomputed_steps,
             "consecutive_skips": self._consecutive_skips,
             "force_update": self._force_update,
             "backoff": self._backoff,
@@ -447,6 +484,7 @@ class GradientScaler:
             )
         self._iteration = int(state["iteration"])
         self._skipped_steps = int(state["skipped_steps"])
+        self._recomputed_steps = int(state.get("recomputed_steps", 0))
         self._consecutive_skips = int(state.get("consecutive_skips", 0))
         self._force_update = bool(state["force_update"])
         self._backoff = state["backoff"]
@@ -461,7 +499,8 @@ class GradientScaler:
 
     # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
     _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_analyses", "_checked",
-                  "_written", "_found_inf_flags", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan")
+                  "_written", "_found_inf_flags", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan",
+                  "_recompute")
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy keeps. Without the iteration's finiteness records a copy reads every ``.grad`` at its
@@ -479,6 +518,7 @@ class GradientScaler:
         self._checked, self._written, self._found_inf_flags = {}, {}, []
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
         self._compiled, self._compiled_plan = [], None
+        self._recompute = WeightGradRecompute()
 
     # --- one backward ------------------------------------------------------------------------
 
@@ -490,6 +530,8 @@ class GradientScaler:
     def _abandon(self) -> None:
         """Drop a prepared backward that did not finish: its hooks, and any still-scaled gradient."""
         prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            self._recompute.clear()
         pending = [prepared] if prepared is not None else []
         while pending:
             prepared = pending.pop()
@@ -573,6 +615,10 @@ class GradientScaler:
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
         prepared.handles += run.register() if run is not None else plan.replay(graph, leaves)
+        if not path:  # after the replay's own hooks: what is kept is what the nodes use
+            self._recompute.clear()
+            if run is None and plan.recomputable:
+                prepared.handles += self._recompute.register(graph, analysis, plan, leaves.deferred)
         for c in sorted(analysis.reentrant):  # after the run's own pre-hook, which merges c's incoming scales
             prepared.handles.append(graph.nodes[c].register_prehook(partial(self._enter_checkpoint, prepared, c)))
         return prepared
@@ -695,6 +741,9 @@ class GradientScaler:
             # they keep batches to come from skipping; a saturating format clips a rare spike instead.
             # Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
             expected_maxima={} if self.format.saturates or path else self._drift.expect(),
+            # Not where a compiled module replays the scales: its graph keeps nothing to recompute from.
+            recompute=not (self.format.saturates or path or self._compiled),
+            level_maxima={} if self.format.saturates or path or self._compiled else self._drift.levels(),
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

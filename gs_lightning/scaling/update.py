@@ -32,6 +32,7 @@ from gs_lightning.scaling.graph import (
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
+from gs_lightning.scaling.recompute import recomputable
 from gs_lightning.scaling.underflow import (
     ExactSample,
     branch_log2_scale,
@@ -60,6 +61,11 @@ class Settings:
         node_caps: Node index -> log2 cap on that node's accumulated scale (per-layer back-off).
         expected_maxima: Leaf index -> how large its gradient is expected to get on the coming
             batches (:meth:`GradientDrift.expected_maxima`): a weight gradient's overflow bound.
+        recompute: Whether the replays can recompute weight gradients that overflow
+            (:mod:`~gs_lightning.scaling.recompute`): eager replays, in a format that overflows.
+        level_maxima: Leaf index -> its gradient's level, without the spikes
+            (:meth:`GradientDrift.levels`): with ``recompute``, what bounds a recomputable GEMM,
+            with :data:`RECOMPUTED_SPIKE_SHARE` of the spikes.
     """
 
     underflow_rate: float
@@ -71,6 +77,8 @@ class Settings:
     total_cap: int | None
     node_caps: Mapping[int, int] = field(default_factory=dict)
     expected_maxima: Mapping[int, float] = field(default_factory=dict)
+    recompute: bool = False
+    level_maxima: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,8 @@ class LayerScale:
             lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
             batches"``: the values its weight and bias gradients are expected to reach, from the last
             ``update_interval`` steps; :data:`SPIKE_ROOM` where more room was kept for them because
-            its outputs still meet γ' against the format's subnormal range), :data:`KEPT_DOWNSTREAM`
+            its outputs still meet γ' against the format's subnormal range; :data:`RECOMPUTED_SPIKES`
+            where only their level bounds it, a spike above being recomputed), :data:`KEPT_DOWNSTREAM`
             (the layers it feeds are held lower by their parameter gradients), ``"max_layer_scale"``,
             ``"accumulated-scale cap"`` (``max_total_scale``, or the back-off after an overflow no
             layer could be named for) or ``"back-off of this layer"`` (after its gradients overflowed).
@@ -209,6 +218,16 @@ EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
 # expected maxima overflowed it (README "How it works": chosen on bench/compare_training.py).
 SPIKE_ROOM_LOG2 = 3.0
 SPIKE_ROOM = f"overflow of the {EXPECTED_PARAMETER_GRADIENTS}, with room where only precision is lost"
+# Where the replays can recompute a GEMM's weight gradients that overflow (recompute.py), its bound
+# keeps this share of their spikes above the level (in binades), with the same margin: what the GEMM
+# sends on spikes with the same hard batches and is not recomputed. The parameter gradients it feeds
+# before the next decision (a normalisation's, sums of what it sends on) bound it with their spikes.
+# 0 skipped steps where 0 (ResNet-8, e5m2) skipped 2 of 3 seeds once; README "How it works": chosen
+# on bench/compare_training.py.
+RECOMPUTED_SPIKE_SHARE = 0.5
+RECOMPUTED_SPIKES = f"{EXPECTED_PARAMETER_GRADIENTS}, a share of their spikes (the rest recomputed)"
+FED_PARAMETER_GRADIENTS = f"{EXPECTED_PARAMETER_GRADIENTS} of the layers it feeds"
+_EXPECTED = frozenset({EXPECTED_PARAMETER_GRADIENTS, RECOMPUTED_SPIKES, FED_PARAMETER_GRADIENTS})
 KEPT_DOWNSTREAM = "scale the layers it feeds keep"
 
 
@@ -324,6 +343,8 @@ class UpdateRun:
         self._arrived: dict[Slot, int] = defaultdict(int)
         self._finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # layer, values finite iff its gradient is
         self._opaque_probes: dict[int, tuple[int, float]] = {}  # opaque node -> (probe scale, overflow bound of its input)
+        self._recomputable: set[int] = set()  # GEMMs whose weight gradients the replays recompute if they overflow
+        self._fed_maxima: dict[int, float] = {}  # such a GEMM -> expected maxima of the parameter gradients it feeds
         self._expected = self._expected_maxima()
         self._kept_downstream = kept_downstream(graph, analysis, {i: self._expected_total(i) for i in self._expected})
         self._gains_after = gains_after(graph, analysis, batch_norm_gains(graph))
@@ -380,7 +401,7 @@ class UpdateRun:
 
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update."""
-        return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha))
+        return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha), frozenset(self._recomputable))
 
     def absorb(self, inner: UpdateRun) -> None:
         """Take over what the run of a reentrant checkpoint's inner graph decided, in backward order.
@@ -536,13 +557,44 @@ class UpdateRun:
         return 1.0 if edge is None or edge in self.analysis.branch_slots else self._gains_after.get(edge[0], 1.0)
 
     def _expected_maxima(self) -> dict[int, float]:
-        """GEMM node -> the largest value its parameter gradients are expected to reach (where known)."""
+        """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
+        where the replays can recompute them, their level and :data:`RECOMPUTED_SPIKE_SHARE` of the spikes."""
         maxima = {}
         for i in self.analysis.gemms:
-            expected = max((self.settings.expected_maxima.get(j, 0.0) for j in parameter_leaves(self.graph.edges, self.analysis, i)), default=0.0)
-            if expected > 0.0:
+            leaves = parameter_leaves(self.graph.edges, self.analysis, i)
+            expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
+            level = max((self.settings.level_maxima.get(j, 0.0) for j in leaves), default=0.0)
+            if self.settings.recompute and recomputable(self.graph, self.analysis, i, self.leaves.deferred):
+                self._recomputable.add(i)
+            if i in self._recomputable and expected > 0.0 and level > 0.0:
+                maxima[i] = level * (expected / level) ** RECOMPUTED_SPIKE_SHARE
+                fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i)), default=0.0)
+                if fed > 0.0:
+                    self._fed_maxima[i] = fed
+            elif expected > 0.0:
                 maxima[i] = expected
         return maxima
+
+    def _fed_leaves(self, i: int) -> set[int]:
+        """The parameters whose gradients GEMM ``i``'s outgoing gradient reaches before the next decision
+        (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
+        a, found = self.analysis, set()
+        decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
+        # a branch's sum is brought to a common scale: the scale i chose ends there too
+        frontier = [e[0] for k, e in enumerate(self.graph.edges[i]) if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots]
+        seen = set(frontier)
+        while frontier:
+            n = frontier.pop()
+            if n in a.leaves:
+                found.add(n)
+                continue
+            if n in decides:
+                continue
+            for edge in self.graph.edges[n]:
+                if edge is not None and edge[0] not in seen and edge not in a.branch_slots:
+                    seen.add(edge[0])
+                    frontier.append(edge[0])
+        return found
 
     def _expected_total(self, i: int) -> int:
         """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`_gemm_scale` bounds it)."""
@@ -576,9 +628,9 @@ class UpdateRun:
         caps = {name: cap for name, cap in caps.items() if cap is not None}
         ceiling = min(caps.values(), default=None)
         beta = choose_log2_scale(lower, upper, ceiling)
-        if EXPECTED_PARAMETER_GRADIENTS in limits and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
+        if limits.keys() & _EXPECTED and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
-            roomy = min(bound - (SPIKE_ROOM_LOG2 if name == EXPECTED_PARAMETER_GRADIENTS else 0.0) for name, bound in limits.items())
+            roomy = min(bound - (SPIKE_ROOM_LOG2 if name in _EXPECTED else 0.0) for name, bound in limits.items())
             with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
             if with_room < beta:
                 return with_room, SPIKE_ROOM
@@ -636,7 +688,10 @@ class UpdateRun:
         }
         expected = self._expected.get(i, 0.0)
         if expected > 0.0:  # unscaled: the bound on the local scale leaves room for the α it receives
-            limits[EXPECTED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(expected * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
+            name = RECOMPUTED_SPIKES if i in self._recomputable else EXPECTED_PARAMETER_GRADIENTS
+            limits[name] = overflow_max_log2_scale(expected * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
+        if i in self._fed_maxima:
+            limits[FED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(self._fed_maxima[i] * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))

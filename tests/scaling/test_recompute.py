@@ -1,0 +1,116 @@
+"""Weight gradients that overflow between updates are recomputed in fp32, not skipped (``gs_lightning.scaling.recompute``).
+
+The hard batch spikes only a weight gradient: the first layer's inputs grow 2^12 on channels its
+weights ignore (zero columns), so the forward, the loss and every gradient sent on are those of
+the easy batch, while that layer's ∇W = ∇Y·Xᵀ overflows fp16 at the scale the update chose.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gs_lightning import GradientScaler
+
+IGNORED = 2  # input channels the first layer's weights ignore
+
+
+def _linear() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    return model, torch.randn(256, 16)
+
+
+def _convolution() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 1))
+    return model, torch.randn(32, 4, 8, 8)
+
+
+MODELS = {"linear": _linear, "convolution": _convolution}
+
+
+def _setup(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model, easy = MODELS[name]()
+    with torch.no_grad():
+        model[0].weight[:, :IGNORED] = 0.0
+    hard = easy.clone()
+    hard[:, :IGNORED] *= 2.0**12
+    return model, easy, hard
+
+
+def _loss(model: nn.Module, x: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    return model(x).float().square().mean() * factor  # the same graph whatever the factor
+
+
+def _step(
+    scaler: GradientScaler, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, backwards: int = 1, factor: float = 1.0
+) -> bool:
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(backwards):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model, x, factor)
+        scaler.backward(loss)
+    stepped = scaler.step(optimizer)
+    scaler.update()
+    return stepped
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_taken(name: str) -> None:
+    model, easy, hard = _setup(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    assert all(_step(scaler, model, optimizer, easy) for _ in range(3))  # an update, then replays
+    assert _step(scaler, model, optimizer, hard)
+    assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
+    assert scaler.drift.non_finite == frozenset()  # the recomputed gradient is finite: nothing overflowed in the end
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    _loss(reference, hard).backward()  # fp32, unscaled
+    for (parameter_name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.isfinite(p.grad).all(), parameter_name
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()))
+    spiked = model[0].weight.grad[:, :IGNORED]
+    assert float(spiked.abs().max()) * 2.0 ** scaler.layers()[-1].log2_total > torch.finfo(torch.float16).max  # it did overflow at that scale
+    assert _step(scaler, model, optimizer, easy) and scaler.skipped_steps == 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_computed_from_a_non_finite_one_are_not_recomputed_the_step_is_skipped(name: str) -> None:
+    """A loss 2^30 larger overflows what the last layer sends on: every gradient below it is
+    non-finite because what it was computed from was. The step is skipped, the weights untouched."""
+    model, easy, _ = _setup(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    assert all(_step(scaler, model, optimizer, easy) for _ in range(3))
+    optimizer.param_groups[0]["lr"] = 0.1
+    before = copy.deepcopy(model.state_dict())
+    assert not _step(scaler, model, optimizer, easy, factor=2.0**30)
+    assert (scaler.skipped_steps, scaler.recomputed_steps) == (1, 0)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_an_overflow_into_an_accumulated_gradient_is_not_recomputed() -> None:
+    """Two backwards before the step: the second adds to ``.grad``, whose first part the kept
+    operands cannot give back. The step is skipped, as before."""
+    model, easy, hard = _setup("linear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    assert all(_step(scaler, model, optimizer, easy) for _ in range(3))
+    assert not _step(scaler, model, optimizer, hard, backwards=2)
+    assert (scaler.skipped_steps, scaler.recomputed_steps) == (1, 0)
+
+
+def test_recomputed_steps_are_saved_and_restored() -> None:
+    model, easy, hard = _setup("linear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    assert all(_step(scaler, model, optimizer, x) for x in (easy, easy, hard))
+    restored = GradientScaler(model)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.recomputed_steps == scaler.recomputed_steps == 1
+    assert _step(restored, model, optimizer, easy) and restored.recomputed_steps == 1

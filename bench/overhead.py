@@ -83,19 +83,24 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         return (time.perf_counter() - start) / repeats * 1e3
 
     graph = walk(loss.grad_fn)
-    leaves = LeafTargets(deferred=frozenset(scaler._analyses[()].leaf_sources))
+    plan, analysis = scaler._plans[()], scaler._analyses[()]
+    leaves = LeafTargets(deferred=frozenset(analysis.leaf_sources))
+
+    def register() -> tuple[list, list]:  # the plan's factors, and what keeps operands for recomputing weight gradients
+        return plan.replay(graph, leaves), scaler._recompute.register(graph, analysis, plan, leaves.deferred)
 
     def register_and_remove() -> None:
-        for handle in scaler._plans[()].replay(graph, leaves):
+        for handle in [h for handles in register() for h in handles]:
             handle.remove()
 
-    handles = scaler._plans[()].replay(graph, leaves)
-    hooks = len(handles)
-    for handle in handles:
+    factors, keepers = register()
+    for handle in factors + keepers:
         handle.remove()
+    scaler._recompute.clear()
     return {
         "graph nodes": len(graph.nodes),
-        "hooks": hooks,
+        "hooks": len(factors) + len(keepers),
+        "of which keep operands to recompute weight gradients": len(keepers),
         "walk ms": per_call(lambda: walk(loss.grad_fn)),
         "structure check ms": per_call(lambda: scaler._plans[()].matches(graph)),
         "hook register+remove ms": per_call(register_and_remove),

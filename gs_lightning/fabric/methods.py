@@ -181,6 +181,9 @@ class GradientScaling(_ScalingMethod):
         max_total_scale: Optional cap on each accumulated scale.
         max_consecutive_skips: Stop with an error naming the first non-finite layer once more than
             this many steps in a row were skipped (a diverged run); ``None`` never stops.
+        recompute_weight_gradients: Recompute a weight gradient that overflows between updates
+            instead of skipping the step, at the memory of the kept incoming gradients (see
+            :class:`GradientScaler`).
         device: Autocast device type; ``None`` follows the model.
         emulate: Emulated fp16 (see :class:`_ScalingMethod`).
         grad_dtype: With ``emulate``, the gradients' format; the scales protect its range.
@@ -195,6 +198,7 @@ class GradientScaling(_ScalingMethod):
         max_layer_scale: float | None = None,
         max_total_scale: float | None = None,
         max_consecutive_skips: int | None = 100,
+        recompute_weight_gradients: bool = True,
         device: str | None = None,
         emulate: bool = False,
         grad_dtype: str | torch.dtype | None = None,
@@ -207,6 +211,7 @@ class GradientScaling(_ScalingMethod):
             "max_layer_scale": max_layer_scale,
             "max_total_scale": max_total_scale,
             "max_consecutive_skips": max_consecutive_skips,
+            "recompute_weight_gradients": recompute_weight_gradients,
         }
         GradientScaler(**self._options)  # bad options fail here; the kept scaler needs the model's layer names
         super().__init__(device, emulate, grad_dtype)

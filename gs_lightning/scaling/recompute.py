@@ -102,12 +102,27 @@ def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> tuple[int, list[i
     return None
 
 
+# The saved operands each parameter edge's gradient is computed from.
+_OPERANDS: dict[str, dict[int, tuple[str, ...]]] = {
+    "ConvolutionBackward0": {1: ("input", "weight"), 2: ()},
+    "AddmmBackward0": {0: (), 1: ("mat2",), 2: ("mat1",)},
+    "MmBackward0": {0: ("mat2",), 1: ("self",)},
+}
+
+
 def recomputable(graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred: frozenset[int]) -> bool:
     """Whether GEMM node ``i``'s parameter gradients can be recomputed after the backward: a known node
-    whose every parameter edge leads through layout nodes to a parameter whose gradient is deferred."""
-    edges = analysis.weight_edges.get(i, ())
-    found = [_parameter_behind(graph, i, k) for k in edges]
-    return graph.names[i] in _SNAPSHOTS and bool(edges) and all(f is not None and f[0] in deferred for f in found)
+    whose every parameter edge leads through layout nodes to a parameter whose gradient is deferred, and
+    whose operands can be read (not under non-reentrant checkpointing); call it before the node runs."""
+    edges, operands = analysis.weight_edges.get(i, ()), _OPERANDS.get(graph.names[i], {})
+    if not edges or any(k not in operands for k in edges):
+        return False
+    node = graph.nodes[i]
+    for k in edges:
+        found = _parameter_behind(graph, i, k)
+        if found is None or found[0] not in deferred or any(saved_tensor(node, name) is None for name in operands[k]):
+            return False
+    return True
 
 
 class WeightGradRecompute:

@@ -101,7 +101,8 @@ class LayerScale:
             batches"``: the values its weight and bias gradients are expected to reach, from the last
             ``update_interval`` steps; :data:`SPIKE_ROOM` where more room was kept for them because
             its outputs still meet γ' against the format's subnormal range; :data:`RECOMPUTED_SPIKES`
-            where only their level bounds it, a spike above being recomputed), :data:`KEPT_DOWNSTREAM`
+            where their level and a share of their spikes bound it, the replays recomputing them if
+            they overflow; :data:`FED_PARAMETER_GRADIENTS`: those of the normalisation it feeds), :data:`KEPT_DOWNSTREAM`
             (the layers it feeds are held lower by their parameter gradients), ``"max_layer_scale"``,
             ``"accumulated-scale cap"`` (``max_total_scale``, or the back-off after an overflow no
             layer could be named for) or ``"back-off of this layer"`` (after its gradients overflowed).
@@ -220,10 +221,10 @@ SPIKE_ROOM_LOG2 = 3.0
 SPIKE_ROOM = f"overflow of the {EXPECTED_PARAMETER_GRADIENTS}, with room where only precision is lost"
 # Where the replays can recompute a GEMM's weight gradients that overflow (recompute.py), its bound
 # keeps this share of their spikes above the level (in binades), with the same margin: what the GEMM
-# sends on spikes with the same hard batches and is not recomputed. The parameter gradients it feeds
-# before the next decision (a normalisation's, sums of what it sends on) bound it with their spikes.
-# 0 skipped steps where 0 (ResNet-8, e5m2) skipped 2 of 3 seeds once; README "How it works": chosen
-# on bench/compare_training.py.
+# sends on spikes with the same hard batches and cannot be recomputed. The parameter gradients it
+# feeds before the next decision (a normalisation's, sums of what it sends on) bound it with their
+# spikes. README "How it works": chosen on bench/compare_training.py (ResNet-8 e5m2: a share of 0
+# skipped steps on two seeds of three, half none).
 RECOMPUTED_SPIKE_SHARE = 0.5
 RECOMPUTED_SPIKES = f"{EXPECTED_PARAMETER_GRADIENTS}, a share of their spikes (the rest recomputed)"
 FED_PARAMETER_GRADIENTS = f"{EXPECTED_PARAMETER_GRADIENTS} of the layers it feeds"
@@ -358,7 +359,7 @@ class UpdateRun:
         calls :meth:`track_every_node` instead of relying on that.
         """
         a = self.analysis
-        decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
+        decides = self._decision_nodes()
         handles = []
         for i, node in enumerate(self.graph.nodes):
             if i in a.leaves:
@@ -387,6 +388,10 @@ class UpdateRun:
             for edge in self.graph.edges[i]:
                 if edge is not None and edge[0] not in self.analysis.leaves:
                     self.slot_alpha[edge] = alpha
+
+    def _decision_nodes(self) -> set[int]:
+        a = self.analysis
+        return a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
 
     def _needs_post_hook(self, i: int) -> bool:
         """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
@@ -559,7 +564,7 @@ class UpdateRun:
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
         where the replays can recompute them, their level and :data:`RECOMPUTED_SPIKE_SHARE` of the spikes."""
-        maxima = {}
+        maxima, decides = {}, self._decision_nodes()
         for i in self.analysis.gemms:
             leaves = parameter_leaves(self.graph.edges, self.analysis, i)
             expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
@@ -568,18 +573,17 @@ class UpdateRun:
                 self._recomputable.add(i)
             if i in self._recomputable and expected > 0.0 and level > 0.0:
                 maxima[i] = level * (expected / level) ** RECOMPUTED_SPIKE_SHARE
-                fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i)), default=0.0)
+                fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i, decides)), default=0.0)
                 if fed > 0.0:
                     self._fed_maxima[i] = fed
             elif expected > 0.0:
                 maxima[i] = expected
         return maxima
 
-    def _fed_leaves(self, i: int) -> set[int]:
+    def _fed_leaves(self, i: int, decides: set[int]) -> set[int]:
         """The parameters whose gradients GEMM ``i``'s outgoing gradient reaches before the next decision
         (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
         a, found = self.analysis, set()
-        decides = a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
         # a branch's sum is brought to a common scale: the scale i chose ends there too
         frontier = [e[0] for k, e in enumerate(self.graph.edges[i]) if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots]
         seen = set(frontier)

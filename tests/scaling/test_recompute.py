@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gs_lightning import GradientScaler
 
@@ -66,6 +67,7 @@ def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_t
     assert all(_step(scaler, model, optimizer, easy) for _ in range(3))  # an update, then replays
     assert _step(scaler, model, optimizer, hard)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
+    assert scaler._recompute._kept == {}  # what was kept is released with the step
     assert scaler.drift.non_finite == frozenset()  # the recomputed gradient is finite: nothing overflowed in the end
     reference = copy.deepcopy(model)
     reference.zero_grad(set_to_none=True)
@@ -114,3 +116,41 @@ def test_recomputed_steps_are_saved_and_restored() -> None:
     restored.load_state_dict(scaler.state_dict())
     assert restored.recomputed_steps == scaler.recomputed_steps == 1
     assert _step(restored, model, optimizer, easy) and restored.recomputed_steps == 1
+
+
+def test_without_recomputation_nothing_is_kept_and_the_step_is_skipped() -> None:
+    model, easy, hard = _setup("linear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model, recompute_weight_gradients=False)
+    assert all(_step(scaler, model, optimizer, easy) for _ in range(3))
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = _loss(model, hard)
+    scaler.backward(loss)
+    assert scaler._recompute._kept == {}  # no memory held for it
+    assert not scaler.step(optimizer)
+    assert (scaler.skipped_steps, scaler.recomputed_steps) == (1, 0)
+    with pytest.raises(ValueError, match="recompute_weight_gradients must be True or False, got 'yes'"):
+        GradientScaler(recompute_weight_gradients="yes")  # type: ignore[arg-type]
+
+
+class _CheckpointedFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(checkpoint(lambda t: self.first(t).relu(), x, use_reentrant=False))
+
+
+def test_layers_whose_operands_checkpointing_recomputes_keep_clear_of_the_spikes() -> None:
+    """Non-reentrant checkpointing frees a block's saved operands and recomputes them for its own
+    nodes only: nothing can be kept there, so those layers are not bounded as if it could."""
+    torch.manual_seed(0)
+    model = _CheckpointedFirst()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    x = torch.randn(64, 16)
+    assert all(_step(scaler, model, optimizer, x) for _ in range(2))
+    analysis = scaler._analyses[()]
+    assert {analysis.layer_names[i] for i in scaler._plans[()].recomputable} == {"last"}

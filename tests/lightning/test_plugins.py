@@ -130,6 +130,15 @@ def test_a_diverged_run_stops_with_the_scalers_message(lightning_package: str) -
     assert plugin.scaler.skipped_steps == 4
 
 
+def test_the_plugin_passes_recompute_weight_gradients_on(lightning_package: str) -> None:
+    torch.manual_seed(0)
+    plugin = GradientScalingPlugin(recompute_weight_gradients=False)
+    trainer(lightning_package, plugin, max_steps=2).fit(classifier(lightning_package), loader())
+    assert plugin.scaler.recompute_weight_gradients is False and plugin.scaler.recomputed_steps == 0
+    with pytest.raises(ValueError, match="recompute_weight_gradients must be True or False"):
+        GradientScalingPlugin(recompute_weight_gradients=None)  # type: ignore[arg-type]
+
+
 class WeightGrads(Callback):
     """Keeps the Linear layers' weight gradients the optimizer is about to see."""
 

@@ -117,8 +117,8 @@ def _post_hook(factors: tuple[float | None, ...]) -> Callable[[tuple, tuple], tu
 class ScalePlan:
     """Every scale decided on the last update iteration, for one graph structure.
 
-    ``recomputable``: the GEMM nodes whose scale sits above the spikes of their weight gradients,
-    which the replays recompute if they overflow (:mod:`~gs_lightning.scaling.recompute`).
+    ``recomputable``: the GEMM nodes whose parameter gradients the replays can recompute if they
+    overflow, keeping their operands until the step (:mod:`~gs_lightning.scaling.recompute`).
     """
 
     names: tuple[str, ...]

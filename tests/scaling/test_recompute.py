@@ -8,6 +8,7 @@ the easy batch, while that layer's ∇W = ∇Y·Xᵀ overflows fp16 at the scale
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -154,3 +155,22 @@ def test_layers_whose_operands_checkpointing_recomputes_keep_clear_of_the_spikes
     assert all(_step(scaler, model, optimizer, x) for _ in range(2))
     analysis = scaler._analyses[()]
     assert {analysis.layer_names[i] for i in scaler._plans[()].recomputable} == {"last"}
+
+
+def test_an_amp_loop_clips_the_recomputed_gradients() -> None:
+    """``unscale_`` reads the flags, so the recomputation happens there, before clipping sees ``.grad``."""
+    model, easy, hard = _setup("linear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    norms = []
+    for x in (easy, easy, easy, hard):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model, x)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)))
+        assert scaler.step(optimizer)
+        scaler.update()
+    assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
+    assert all(math.isfinite(n) for n in norms) and norms[-1] > 100 * norms[0]  # the spiked gradient, clipped

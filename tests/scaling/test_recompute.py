@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.graph import AutogradGraph
 
 IGNORED = 2  # input channels the first layer's weights ignore
 
@@ -174,3 +175,57 @@ def test_an_amp_loop_clips_the_recomputed_gradients() -> None:
         scaler.update()
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
     assert all(math.isfinite(n) for n in norms) and norms[-1] > 100 * norms[0]  # the spiked gradient, clipped
+
+
+class _Tokens(nn.Module):
+    """A Linear on (batch, tokens, features): ``addmm`` on a view, as transformers run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 16), nn.Linear(16, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(x.view(4, 6, 8)).relu())
+
+
+LAYOUTS = {  # model, input: every parameter edge kind the recomputation knows
+    "grouped convolution": (lambda: nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 1, 1, bias=False)), (4, 4, 6, 6)),
+    "transposed convolution, then a 1-d one": (
+        lambda: nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2), nn.ReLU(), nn.Flatten(2), nn.Conv1d(6, 1, 1)), (2, 4, 5, 5)
+    ),
+    "linear on tokens, and without bias": (_Tokens, (24, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("autocast", [False, True])
+def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, autocast: bool) -> None:
+    """On a replay whose gradients are finite, the recomputation from what was kept gives each
+    parameter the gradient the backward gave it (fp32: to rounding; fp16 autocast: to fp16's)."""
+    build, shape = LAYOUTS[name]
+    torch.manual_seed(0)
+    model, x = build(), torch.randn(*shape)
+    scaler = GradientScaler(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(2):  # an update, then a replay
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            loss = model(x).float().square().mean()
+        scaler.backward(loss)
+        if step == 1:
+            graph, analysis, _ = scaler._recompute._replayed
+            leaves = [_leaf(graph, graph.edges[i][k][0]) for i in scaler._recompute._kept for k in analysis.weight_edges[i]]
+            recomputed = scaler._recompute.recompute(leaves)
+            assert recomputed is not None and len(recomputed) == len(list(model.parameters()))
+            for parameter, grad in recomputed.values():
+                tolerance = 2e-2 if autocast else 1e-5
+                torch.testing.assert_close(grad, parameter.grad, rtol=tolerance, atol=tolerance * float(parameter.grad.abs().max()))
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def _leaf(graph: AutogradGraph, j: int) -> int:
+    """The leaf behind node ``j`` through single-edge nodes (a cast, a transpose)."""
+    while graph.names[j] != "AccumulateGrad":
+        (j, _), = [e for e in graph.edges[j] if e is not None]
+    return j

@@ -223,8 +223,8 @@ SPIKE_ROOM = f"overflow of the {EXPECTED_PARAMETER_GRADIENTS}, with room where o
 # keeps this share of their spikes above the level (in binades), with the same margin: what the GEMM
 # sends on spikes with the same hard batches and cannot be recomputed. The parameter gradients it
 # feeds before the next decision (a normalisation's, sums of what it sends on) bound it with their
-# spikes. README "How it works": chosen on bench/compare_training.py (ResNet-8 e5m2: a share of 0
-# skipped steps on two seeds of three, half none).
+# spikes. README "How it works": chosen on bench/compare_training.py (ResNet-8 e5m2, seeds 0-2: with
+# no share two seeds skipped a step, with half none).
 RECOMPUTED_SPIKE_SHARE = 0.5
 RECOMPUTED_SPIKES = f"{EXPECTED_PARAMETER_GRADIENTS}, a share of their spikes (the rest recomputed)"
 FED_PARAMETER_GRADIENTS = f"{EXPECTED_PARAMETER_GRADIENTS} of the layers it feeds"

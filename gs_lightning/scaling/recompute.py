@@ -21,8 +21,8 @@ format that overflows, and not where a ``torch.compile``'d module replays the sc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import Node
@@ -34,64 +34,56 @@ from gs_lightning.scaling.plan import ScalePlan
 _LAYOUT_NODES = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
                            "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 
-EdgeGrads = Callable[[int], torch.Tensor | None]  # edge -> its fp32 gradient, from what a replay kept
+# A parameter edge's fp32 gradient from the node, its fp32 incoming gradient, its fp32 saved operands and the edge.
+EdgeGradient = Callable[[Node, torch.Tensor, dict[str, torch.Tensor], int], torch.Tensor]
 
 
-def _convolution(node: Node, grad: torch.Tensor, edges: tuple[int, ...]) -> EdgeGrads | None:
-    inputs, weight = saved_tensor(node, "input"), saved_tensor(node, "weight")
-    if inputs is None or weight is None:
-        return None
+def _convolution(node: Node, grad: torch.Tensor, operands: dict[str, torch.Tensor], edge: int) -> torch.Tensor:
+    if edge == 2:  # the bias: a sum over everything but the channels
+        return grad.sum([d for d in range(grad.dim()) if d != 1])
     args = (node._saved_stride, node._saved_padding, node._saved_dilation, node._saved_transposed,
             node._saved_output_padding, node._saved_groups)
-
-    def compute(edge: int) -> torch.Tensor | None:
-        if edge == 1:
-            return torch.ops.aten.convolution_backward(grad.float(), inputs.float(), weight.float(), None, *args, [False, True, False])[1]
-        if edge == 2:
-            return grad.float().sum([d for d in range(grad.dim()) if d != 1])
-        return None
-
-    return compute
+    return torch.ops.aten.convolution_backward(grad, operands["input"], operands["weight"], None, *args, [False, True, False])[1]
 
 
-def _matmul(self_edge: int | None, left_edge: int, right_edge: int, left: str, right: str) -> Callable:
+def _matmul(self_edge: int | None, left_edge: int, left: str, right: str) -> EdgeGradient:
     """For Y = (β·self +) α·left·right."""
 
-    def snapshot(node: Node, grad: torch.Tensor, edges: tuple[int, ...]) -> EdgeGrads | None:
-        operands = {name: saved_tensor(node, name) for edge, name in ((right_edge, left), (left_edge, right)) if edge in edges}
-        if any(t is None for t in operands.values()):
-            return None
-        alpha, beta = float(getattr(node, "_saved_alpha", 1.0)), float(getattr(node, "_saved_beta", 1.0))
+    def gradient(node: Node, grad: torch.Tensor, operands: dict[str, torch.Tensor], edge: int) -> torch.Tensor:
+        if edge == self_edge:
+            return float(node._saved_beta) * grad
+        alpha = float(getattr(node, "_saved_alpha", 1.0))
+        if edge == left_edge:
+            return alpha * (grad @ operands[right].transpose(-1, -2))
+        return alpha * (operands[left].transpose(-1, -2) @ grad)
 
-        def compute(edge: int) -> torch.Tensor | None:
-            if edge == self_edge:
-                return beta * grad.float()
-            if edge == left_edge:
-                return alpha * (grad.float() @ operands[right].float().transpose(-1, -2))
-            if edge == right_edge:
-                return alpha * (operands[left].float().transpose(-1, -2) @ grad.float())
-            return None
-
-        return compute
-
-    return snapshot
+    return gradient
 
 
-_SNAPSHOTS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], EdgeGrads | None]] = {
-    "ConvolutionBackward0": _convolution,
-    "AddmmBackward0": _matmul(0, 1, 2, "mat1", "mat2"),
-    "MmBackward0": _matmul(None, 0, 1, "self", "mat2"),
+# Node type -> (its parameter edges' gradient, parameter edge -> the saved operands that gradient is computed from).
+_RECOMPUTE: dict[str, tuple[EdgeGradient, dict[int, tuple[str, ...]]]] = {
+    "ConvolutionBackward0": (_convolution, {1: ("input", "weight"), 2: ()}),
+    "AddmmBackward0": (_matmul(0, 1, "mat1", "mat2"), {0: (), 1: ("mat2",), 2: ("mat1",)}),
+    "MmBackward0": (_matmul(None, 0, "self", "mat2"), {0: ("mat2",), 1: ("self",)}),
 }
 
 
-def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> tuple[int, list[int]] | None:
-    """The leaf GEMM ``i``'s edge ``k`` leads to through layout nodes, and those nodes in order; ``None`` if it leads elsewhere."""
+@dataclass(frozen=True)
+class _Parameter:
+    """A parameter edge ``edge`` of a GEMM, the leaf it leads to and the layout nodes between, in order."""
+
+    edge: int
+    leaf: int
+    chain: tuple[int, ...]
+
+
+def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> _Parameter | None:
     chain, edge = [], graph.edges[i][k]
     for _ in range(4):
         if edge is None:
             return None
         if graph.names[edge[0]] == LEAF:
-            return edge[0], chain
+            return _Parameter(k, edge[0], tuple(chain))
         if graph.names[edge[0]] not in _LAYOUT_NODES:
             return None
         chain.append(edge[0])
@@ -102,55 +94,64 @@ def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> tuple[int, list[i
     return None
 
 
-# The saved operands each parameter edge's gradient is computed from.
-_OPERANDS: dict[str, dict[int, tuple[str, ...]]] = {
-    "ConvolutionBackward0": {1: ("input", "weight"), 2: ()},
-    "AddmmBackward0": {0: (), 1: ("mat2",), 2: ("mat1",)},
-    "MmBackward0": {0: ("mat2",), 1: ("self",)},
-}
+def _parameters(graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred: frozenset[int]) -> list[_Parameter] | None:
+    """GEMM ``i``'s parameter edges, if it is a known node and each leads through layout nodes to a
+    parameter whose gradient is deferred; ``None`` otherwise."""
+    edges, operands = analysis.weight_edges.get(i, ()), _RECOMPUTE.get(graph.names[i], (None, {}))[1]
+    if not edges or any(k not in operands for k in edges):
+        return None
+    found = [_parameter_behind(graph, i, k) for k in edges]
+    return found if all(p is not None and p.leaf in deferred for p in found) else None  # type: ignore[return-value]
+
+
+def _operand_names(graph: AutogradGraph, i: int, parameters: list[_Parameter]) -> set[str]:
+    operands = _RECOMPUTE[graph.names[i]][1]
+    return {name for p in parameters for name in operands[p.edge]}
 
 
 def recomputable(graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred: frozenset[int]) -> bool:
-    """Whether GEMM node ``i``'s parameter gradients can be recomputed after the backward: a known node
-    whose every parameter edge leads through layout nodes to a parameter whose gradient is deferred, and
-    whose operands can be read (not under non-reentrant checkpointing); call it before the node runs."""
-    edges, operands = analysis.weight_edges.get(i, ()), _OPERANDS.get(graph.names[i], {})
-    if not edges or any(k not in operands for k in edges):
-        return False
-    node = graph.nodes[i]
-    for k in edges:
-        found = _parameter_behind(graph, i, k)
-        if found is None or found[0] not in deferred or any(saved_tensor(node, name) is None for name in operands[k]):
-            return False
-    return True
+    """Whether GEMM node ``i``'s parameter gradients can be recomputed after the backward (:func:`_parameters`),
+    its operands readable (not under non-reentrant checkpointing); call it before the node runs."""
+    parameters = _parameters(graph, analysis, i, deferred)
+    return parameters is not None and all(saved_tensor(graph.nodes[i], name) is not None for name in _operand_names(graph, i, parameters))
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What a replay kept of one GEMM: the gradient it received, as it used it, and its saved operands."""
+
+    grad: torch.Tensor
+    operands: dict[str, torch.Tensor]
+    parameters: list[_Parameter]
 
 
 class WeightGradRecompute:
     """What the replays of the loss's graph keep, and the recomputation it allows (module docstring)."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[EdgeGrads, torch.Tensor]] = {}  # GEMM -> (its edges' gradients, the gradient it received)
-        self._replayed: tuple[AutogradGraph, GraphAnalysis, ScalePlan] | None = None
+        self._kept: dict[int, _Kept] = {}
+        self._replayed: tuple[AutogradGraph, ScalePlan] | None = None
 
     def register(self, graph: AutogradGraph, analysis: GraphAnalysis, plan: ScalePlan, deferred: frozenset[int]) -> list:
         """Pre-hooks that keep the operands of the plan's recomputable GEMMs; registered after the plan's own,
-        so that they see the incoming gradient at the scale the node uses."""
+        so that they see the incoming gradient at the scale the node uses. A GEMM whose parameters' gradients
+        are not deferred this backward (accumulation) keeps nothing; one whose operands turn out unreadable neither."""
         self.clear()
-        self._replayed = (graph, analysis, plan)
+        self._replayed = (graph, plan)
         handles = []
         for i in sorted(plan.recomputable):
-            if recomputable(graph, analysis, i, deferred):
-                handles.append(graph.nodes[i].register_prehook(self._keeper(i, graph.nodes[i], analysis.weight_edges[i])))
+            parameters = _parameters(graph, analysis, i, deferred)
+            if parameters is not None:
+                keep = self._keeper(i, graph.nodes[i], parameters, _operand_names(graph, i, parameters))
+                handles.append(graph.nodes[i].register_prehook(keep))
         return handles
 
-    def _keeper(self, i: int, node: Node, edges: tuple[int, ...]) -> Callable[[tuple], None]:
-        snapshot = _SNAPSHOTS[type(node).__name__]
-
+    def _keeper(self, i: int, node: Node, parameters: list[_Parameter], names: set[str]) -> Callable[[tuple], None]:
         def keep(grads: tuple) -> None:
             if grads and grads[0] is not None:
-                kept = snapshot(node, grads[0], tuple(edges))
-                if kept is not None:
-                    self._kept[i] = (kept, grads[0])
+                operands = {name: saved_tensor(node, name) for name in names}
+                if all(t is not None for t in operands.values()):
+                    self._kept[i] = _Kept(grads[0], operands, parameters)  # type: ignore[arg-type]
 
         return keep
 
@@ -166,39 +167,25 @@ class WeightGradRecompute:
         finite values). Synchronises once, to read the incoming gradients' finiteness."""
         if self._replayed is None:
             return None
-        graph, analysis, plan = self._replayed
-        edges_of = {}  # leaf -> (GEMM, its edge, the layout nodes between)
-        for i in self._kept:
-            for k in analysis.weight_edges[i]:
-                if (found := _parameter_behind(graph, i, k)) is not None:
-                    edges_of[found[0]] = (i, k, found[1])
+        graph, plan = self._replayed
+        owner = {p.leaf: (i, p) for i, kept in self._kept.items() for p in kept.parameters}
         leaves = list(leaves)
-        if not leaves or any(j not in edges_of for j in leaves):
+        if not leaves or any(j not in owner for j in leaves):
             return None
-        nodes = sorted({edges_of[j][0] for j in leaves})
-        received = [self._kept[i][1] for i in nodes]
+        received = [self._kept[i].grad for i in {owner[j][0] for j in leaves}]
         if not bool(torch.stack([torch.isfinite(g).all() for g in received]).all()):
             return None
         grads = {}
         with torch.no_grad():
             for j in leaves:
-                i, k, chain = edges_of[j]
-                grad = self._kept[i][0](k)
-                if grad is None:
-                    return None
-                target = graph.edges[i][k]
+                i, p = owner[j]
+                kept, node = self._kept[i], graph.nodes[i]
+                operands = {name: t.float() for name, t in kept.operands.items()}
+                grad = _RECOMPUTE[graph.names[i]][0](node, kept.grad.float(), operands, p.edge)
+                target = graph.edges[i][p.edge]
                 grad = grad.sum_to_size(graph.nodes[target[0]]._input_metadata[target[1]].shape) * 2.0 ** -plan.alpha_out.get(i, 0)
-                for n in chain:  # casts and layouts, as autograd applies them (the values are fp32 already)
+                for n in p.chain:  # casts and layouts, as autograd applies them (the values are fp32 already)
                     grad = graph.nodes[n](grad)
                     grad = grad[0] if isinstance(grad, tuple) else grad
                 grads[j] = (graph.nodes[j].variable, grad)
         return grads
-
-
-def largest(grads: dict[int, torch.Tensor]) -> dict[int, float]:
-    """Leaf -> largest magnitude of its gradient (one synchronisation; NaN reads as inf)."""
-    if not grads:
-        return {}
-    values = torch.stack([g.abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads.values()]).tolist()
-    return {leaf: (v if not math.isnan(v) else math.inf) for leaf, v in zip(grads, values)}
-

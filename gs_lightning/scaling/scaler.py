@@ -45,6 +45,7 @@ from gs_lightning.scaling.drift import (
     GradientDrift,
     LayerBackoff,
     overflow_caps,
+    largest_magnitudes,
     overflow_leaves,
     unscale_check_and_measure,
 )
@@ -53,7 +54,7 @@ from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
-from gs_lightning.scaling.recompute import WeightGradRecompute, largest
+from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun
 
 _MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
@@ -403,7 +404,8 @@ class GradientScaler:
         for parameter, grad in grads.values():
             parameter.grad.copy_(grad)
         self._checked.clear()  # the step reads every gradient again: the flags covered more than the recomputed ones
-        self._drift.recomputed(largest({j: grad for j, (_, grad) in grads.items()}))
+        maxima = torch.stack(largest_magnitudes([grad for _, grad in grads.values()])).tolist()
+        self._drift.recomputed(dict(zip(grads, maxima)))
         self._recomputed_steps += 1
         return True
 

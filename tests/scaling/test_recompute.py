@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling.graph import AutogradGraph
 
 IGNORED = 2  # input channels the first layer's weights ignore
 
@@ -213,8 +212,7 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
             loss = model(x).float().square().mean()
         scaler.backward(loss)
         if step == 1:
-            graph, analysis, _ = scaler._recompute._replayed
-            leaves = [_leaf(graph, graph.edges[i][k][0]) for i in scaler._recompute._kept for k in analysis.weight_edges[i]]
+            leaves = [p.leaf for kept in scaler._recompute._kept.values() for p in kept.parameters]
             recomputed = scaler._recompute.recompute(leaves)
             assert recomputed is not None and len(recomputed) == len(list(model.parameters()))
             for parameter, grad in recomputed.values():
@@ -223,9 +221,3 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
         scaler.step(optimizer)
         scaler.update()
 
-
-def _leaf(graph: AutogradGraph, j: int) -> int:
-    """The leaf behind node ``j`` through single-edge nodes (a cast, a transpose)."""
-    while graph.names[j] != "AccumulateGrad":
-        (j, _), = [e for e in graph.edges[j] if e is not None]
-    return j

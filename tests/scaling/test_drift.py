@@ -264,6 +264,18 @@ def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> 
     assert len(drift.recent) == 3  # the window forgets
 
 
+def test_drift_is_measured_from_the_level_when_the_update_batch_was_above_it() -> None:
+    drift = GradientDrift(window=20)
+    read = _reader(drift, 0)
+    for value in (1.0, 1.2, 0.9, 1.1):
+        read([value / 2, value])
+    assert read([1.0, 8.0], update=True).drift_log2 == 0.0  # a batch 2^3 above the level: the reference is the level, 1.1
+    assert not read([0.5, 1.0]).drifted  # an ordinary batch: not 3 binades of drift
+    assert read([0.25, 0.5]).drift_log2 == pytest.approx(math.log2(1.1 / 0.5))  # a binade below the level: drift
+    read([0.5, 1.0])
+    assert read([0.25, 0.5], update=True).drift_log2 == 0.0 and drift.reference[0][1] == 0.5  # a batch below its level: its own value
+
+
 def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected() -> None:
     drift = GradientDrift(window=10, lambda_max=65504.0)
     read = _reader(drift, 5)

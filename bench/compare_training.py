@@ -115,6 +115,7 @@ class Run:
     underflow: float | None  # mean over sampled steps of the mean over GEMM gradient tensors
     seconds: float
     losses: list[float] = field(repr=False)
+    update_iterations: int | None = None  # GS: backwards that decided the scales (the dearer ones)
 
 
 def train(
@@ -160,7 +161,8 @@ def train(
     seconds = time.perf_counter() - start
     model.eval()
     metric = task.evaluate(model)
-    return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None, seconds, losses)
+    return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None,
+               seconds, losses, getattr(trainer, "update_iterations", None))
 
 
 def _mean_std(values: list[float]) -> str:
@@ -182,19 +184,21 @@ def table(runs: list[Run]) -> str:
     """The markdown table: one row per (task, method), seeds aggregated."""
     metric_of = {r.task: r.metric_name for r in runs}
     lines = [
-        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GEMM-gradient underflow | s / run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GEMM-gradient underflow | GS update iterations | s / run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for task in dict.fromkeys(r.task for r in runs):
         for key in dict.fromkeys(r.method for r in runs if r.task == task):
             rs = [r for r in runs if r.task == task and r.method == key]
             method = METHODS[key]
             under = [r.underflow for r in rs if r.underflow is not None]
+            updates = [r.update_iterations for r in rs if r.update_iterations is not None]
             lines.append(
                 f"| {task} | {method.grads} | {method.label} | {metric_of[task]} {_mean_std([r.metric for r in rs])} "
                 f"| {_mean_std([_final_loss(r) for r in rs])} "
                 f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} "
                 f"| {f'{100 * statistics.fmean(under):.2f}%' if under else '—'} "
+                f"| {f'{statistics.fmean(updates):.1f}' if updates else '—'} "
                 f"| {statistics.fmean(r.seconds for r in rs):.1f} |"
             )
     return "\n".join(lines)
@@ -281,6 +285,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
                 runs.append(run)
                 print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
                       f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}, "
+                      f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
                       f"{run.seconds:.1f} s", flush=True)
                 if args.json is not None:  # after every run, so that an interrupted table keeps what it has
                     args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))

@@ -47,6 +47,8 @@ class GradientScalingCallback(Callback):
       every step; from 1 on, the next backward updates the scales),
     * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients, and
       ``gs/recomputed_steps`` those taken although a weight gradient overflowed (recomputed in fp32),
+    * ``gs/update_iterations``: backward passes so far that decided the scales (the others replayed
+      them, at a fraction of the cost),
 
     * ``gs/total/<layer>``: log2 of the accumulated scale its outgoing gradient carries (its own
       scale times those of every layer after it in the forward pass),
@@ -156,6 +158,7 @@ class GradientScalingCallback(Callback):
             metrics["gs/surprise"] = scaler.drift.surprise_log2
         metrics["gs/skipped_steps"] = float(scaler.skipped_steps)
         metrics["gs/recomputed_steps"] = float(scaler.recomputed_steps)
+        metrics["gs/update_iterations"] = float(scaler.update_iterations)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

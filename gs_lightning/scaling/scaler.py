@@ -206,6 +206,7 @@ class GradientScaler:
         self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
         self._recompute = WeightGradRecompute()  # what the replay keeps to recompute weight gradients that overflow
         self._recomputed_steps = 0
+        self._update_iterations = 0
         self._prepared: _PreparedBackward | None = None
         # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
         # .grad tensors those flags cover, with their version counters then. Any other .grad (unscaled during
@@ -250,6 +251,13 @@ class GradientScaler:
     def recomputed_steps(self) -> int:
         """Steps taken although a weight gradient overflowed: it was recomputed in fp32 (:mod:`~gs_lightning.scaling.recompute`)."""
         return self._recomputed_steps
+
+    @property
+    def update_iterations(self) -> int:
+        """Backward passes that decided scales (the first, every ``update_interval``-th, and those the drift,
+        a skipped step or a new graph structure asked for); the others replayed them. What an update
+        costs against a plain backward: README "Overhead on the backward pass"."""
+        return self._update_iterations
 
     @property
     def consecutive_skips(self) -> int:
@@ -478,6 +486,7 @@ class GradientScaler:
             "iteration": self._iteration,
             "skipped_steps": self._skipped_steps,
             "recomputed_steps": self._recomputed_steps,
+            "update_iterations": self._update_iterations,
             "consecutive_skips": self._consecutive_skips,
             "force_update": self._force_update,
             "backoff": self._backoff,
@@ -501,6 +510,7 @@ class GradientScaler:
         self._iteration = int(state["iteration"])
         self._skipped_steps = int(state["skipped_steps"])
         self._recomputed_steps = int(state.get("recomputed_steps", 0))
+        self._update_iterations = int(state.get("update_iterations", 0))
         self._consecutive_skips = int(state.get("consecutive_skips", 0))
         self._force_update = bool(state["force_update"])
         self._backoff = state["backoff"]
@@ -767,6 +777,7 @@ class GradientScaler:
     def _finish_update(self, run: UpdateRun) -> None:
         # Relax the cap only after a full interval without a skipped step (update_interval=1 included).
         scheduled = self._iteration % self.update_interval == 0 and self._iteration - self._last_skip >= self.update_interval
+        self._update_iterations += 1
         self._plans[()] = run.plan()
         self._layers = {layer.name: layer for layer in run.layers}
         self._first_non_finite = run.first_non_finite()

@@ -28,6 +28,7 @@ def test_quick_runs_every_method_and_reports_it(compare_training, tmp_path: Path
         assert math.isfinite(run.metric) and len(run.losses) == 2
         emulated = compare_training.METHODS[run.method].emulated
         assert (run.underflow is not None) == emulated, run
+        assert (run.update_iterations is not None) == run.method.endswith("-gs") and (run.update_iterations or 1) >= 1, run
     assert len(json.loads(runs_file.read_text())) == 2 * len(compare_training.METHODS)
 
     capsys.readouterr()

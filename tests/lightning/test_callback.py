@@ -78,15 +78,19 @@ def test_csv_metrics_have_the_scales_at_every_nth_step_and_the_end(tmp_path: Pat
     assert [row[0] for row in table[1:]] == ["2", "4", "5"]
 
 
-def test_between_updates_the_surprise_is_logged(tmp_path: Path) -> None:
-    """``gs/surprise``: how far the weight gradients rose above what the last update expected of them (on replays once an update had history to expect from)."""
+def test_between_updates_the_surprise_and_the_update_count_are_logged(tmp_path: Path) -> None:
+    """``gs/surprise``: how far the weight gradients rose above what the last update expected of them (on replays
+    once an update had history to expect from); ``gs/update_iterations``: how many backwards decided scales so far."""
     torch.manual_seed(0)
     plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=1)
     logger = CSVLogger(tmp_path)
     fit(plugin, callback, 6, tmp_path, model=Classifier(hidden_layers=1), logger=logger)
     with open(Path(logger.log_dir) / "metrics.csv") as file:
-        logged = [float(row["gs/surprise"]) for row in csv.DictReader(file) if row.get("gs/surprise")]
+        rows = list(csv.DictReader(file))
+    logged = [float(row["gs/surprise"]) for row in rows if row.get("gs/surprise")]
     assert logged and all(math.isfinite(v) for v in logged)
+    updates = [float(row["gs/update_iterations"]) for row in rows if row.get("gs/update_iterations")]
+    assert updates == sorted(updates) and 3 <= updates[-1] == plugin.scaler.update_iterations <= 6  # every second backward, at least
 
 
 def test_history_continues_after_resume(tmp_path: Path) -> None:

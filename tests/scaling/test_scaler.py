@@ -250,7 +250,7 @@ def test_state_dict_round_trip_reuses_scales(case: str) -> None:
         state = scaler.state_dict()
         restored = GradientScaler(model, update_interval=10)
         restored.load_state_dict(state)
-        assert restored.scales() == scaler.scales() and restored.iteration == 1
+        assert restored.scales() == scaler.scales() and restored.iteration == restored.update_iterations == 1  # inner graphs' runs are part of it
         assert {path: plan.alpha_out for path, plan in restored._plans.items()} == {p: q.alpha_out for p, q in scaler._plans.items()}
         model.zero_grad()
         scaler.backward(loss_fn(model) * 1e-6)
@@ -259,7 +259,18 @@ def test_state_dict_round_trip_reuses_scales(case: str) -> None:
         restored.backward(loss_fn(model) * 1e-6)  # a replay: no new decision
     assert all(torch.equal(expected[n], g) for n, g in _grads(model).items())
     assert restored.layers() == scaler.layers() and restored._plans.keys() == scaler._plans.keys()
+    assert restored.update_iterations == scaler.update_iterations == 1
     assert case != "checkpoint_reentrant" or len(restored._plans) > 1
+
+
+def test_update_iterations_count_the_backwards_that_decided_scales() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    scaler = GradientScaler(model, update_interval=3)
+    for _ in range(7):
+        model.zero_grad()
+        scaler.backward(model(x).pow(2).sum())
+    assert (scaler.iteration, scaler.update_iterations) == (7, 3)  # iterations 0, 3 and 6
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -204,31 +205,36 @@ class GradientDrift:
         that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the median) is
         expected. Computed on update iterations only, on the host (one small tensor).
         """
-        return self._log2_maxima(spikes=True)
+        return self._log2_maxima()[0]
 
     def levels(self) -> dict[int, float]:
         """Leaf index -> its gradient's level now, without the spikes: :meth:`expected_maxima` for the
         GEMMs whose weight gradients are recomputed when a spike overflows them (:mod:`~gs_lightning.scaling.recompute`)."""
-        return self._log2_maxima(spikes=False)
+        return self._log2_maxima()[1]
 
-    def _log2_maxima(self, spikes: bool) -> dict[int, float]:
-        leaves = sorted({leaf for step in self.recent for leaf in step})
+    def _log2_maxima(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(:meth:`expected_maxima`, :meth:`levels`), from one pass over the window (ResNet-50's 161 weight
+        gradients over 100 steps: 9-12 ms on the 2-core development machine, one thread, against 25-34 ms
+        for the two computed apart, the same values)."""
+        leaves = sorted(set().union(*self.recent))
         if not leaves:
-            return {}
-        x = torch.tensor([[math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent] for leaf in leaves],
-                         dtype=torch.float64)
+            return {}, {}
+        # NaN where a gradient was all zeros or not computed; a tensor from a list is 2x slower than from an array
+        log2 = array("d", [math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent for leaf in leaves])
+        x = torch.frombuffer(log2, dtype=torch.float64).view(len(self.recent), len(leaves)).T
         # levels[:, t]: the median of the (up to) LEVEL_STEPS steps before step t; the last, of the last ones
         padded = torch.cat([torch.full((len(leaves), LEVEL_STEPS), math.nan, dtype=torch.float64), x], dim=1)
-        levels = padded.unfold(1, LEVEL_STEPS, 1).nanmedian(dim=-1).values
-        log2_maxima = levels[:, -1]
-        if spikes:
-            log2_maxima = log2_maxima + (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
-        return {leaf: value for leaf, value in zip(leaves, torch.exp2(log2_maxima).tolist()) if math.isfinite(value)}
+        levels = padded.unfold(1, LEVEL_STEPS, 1).contiguous().nanmedian(dim=-1).values  # 2x faster than on the strided view
+        spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
+        expected, level = (torch.exp2(log2_maxima).tolist() for log2_maxima in (levels[:, -1] + spikes, levels[:, -1]))
+        return ({leaf: v for leaf, v in zip(leaves, expected) if math.isfinite(v)},
+                {leaf: v for leaf, v in zip(leaves, level) if math.isfinite(v)})
 
-    def expect(self) -> dict[int, float]:
-        """:meth:`expected_maxima`, for an update to bound the scales by; kept, so that a batch above them asks for the next update."""
-        self.expected = self.expected_maxima()
-        return self.expected
+    def expect(self) -> tuple[dict[int, float], dict[int, float]]:
+        """:meth:`expected_maxima`, for an update to bound the scales by, and :meth:`levels`; the first is
+        kept, so that a batch above it asks for the next update."""
+        self.expected, levels = self._log2_maxima()
+        return self.expected, levels
 
     def clear_recent(self) -> None:
         """Forget the recent and expected maxima and the gradients zero at the update (the graph's

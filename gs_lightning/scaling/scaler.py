@@ -758,6 +758,9 @@ class GradientScaler:
         # nor in a format that saturates instead of overflowing.
         recompute = self.recompute_weight_gradients and not (self.format.saturates or path or self._compiled)
         caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
+        # They keep batches to come from skipping; a saturating format clips a rare spike instead.
+        # Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
+        expected, levels = ({}, {}) if self.format.saturates or path else self._drift.expect()
         return Settings(
             underflow_rate=self.underflow_rate,
             lambda_min=self.lambda_min_value,
@@ -767,11 +770,9 @@ class GradientScaler:
             layer_cap=_log2_floor(self.max_layer_scale),
             total_cap=min(caps) if caps else None,
             node_caps=self._layer_backoff.node_caps() if not path else {},
-            # they keep batches to come from skipping; a saturating format clips a rare spike instead.
-            # Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
-            expected_maxima={} if self.format.saturates or path else self._drift.expect(),
+            expected_maxima=expected,
             recompute=recompute,
-            level_maxima=self._drift.levels() if recompute else {},
+            level_maxima=levels if recompute else {},
         )
 
     def _finish_update(self, run: UpdateRun) -> None:

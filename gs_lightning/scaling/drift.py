@@ -50,6 +50,11 @@ Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, no
 # Tolerated shrinkage of a scale group's largest gradient below the update that chose its scale,
 # in binades (see the module docstring; README "How it works" has the measurement).
 DRIFT_TOLERANCE_LOG2 = 1.0
+# The expected maxima go through log2 and exp2 in float64: a gradient whose largest value equals them
+# (the same batch again with the weights unchanged; an fp8 gradient, whose largest value is one of few
+# numbers) reads up to a few 1e-16 binades above. Not a surprise: ResNet-8 e5m2, seed 0, updated on
+# step 27 for one.
+ROUNDING_LOG2 = 1e-9
 # The level a weight gradient's largest value is judged against: the median of its last this many
 # steps (GradientDrift.expected_maxima).
 LEVEL_STEPS = 8
@@ -87,7 +92,7 @@ class DriftReading:
     @property
     def drifted(self) -> bool:
         """Whether the scales need an update: a scale group shrank beyond :data:`DRIFT_TOLERANCE_LOG2`, or a weight gradient grew beyond what was expected of it."""
-        return self.drift_log2 >= DRIFT_TOLERANCE_LOG2 or self.surprise_log2 > 0.0
+        return self.drift_log2 >= DRIFT_TOLERANCE_LOG2 or self.surprise_log2 > ROUNDING_LOG2
 
 
 @dataclass

@@ -289,6 +289,19 @@ def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected
     assert drift.expected == {1: 2.0**-10, 2: 2.0**-4}  # until the next update expects anew
 
 
+def test_a_gradient_equal_to_what_was_expected_is_no_surprise() -> None:
+    """The expected maxima go through log2 and exp2 (float64): an fp8 gradient's largest value, one of few
+    numbers, comes back from them a few 1e-16 binades low, and equalling it asked for an update."""
+    drift = GradientDrift(window=10, lambda_max=65504.0)
+    read = _reader(drift, 0)
+    largest = 1.75 * 2.0**-9  # representable in e5m2
+    drift.recent = [{1: largest, 2: largest}]
+    assert drift.expect()[0][1] < largest
+    read([largest, largest], update=True)
+    reading = read([largest, largest])
+    assert 0.0 < reading.surprise_log2 < 1e-15 and not reading.drifted
+
+
 def test_a_gradient_all_zeros_at_the_update_asks_for_one_more_and_drifts_when_it_wakes() -> None:
     drift = GradientDrift(window=10)
     read = _reader(drift, 3)

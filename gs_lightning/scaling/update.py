@@ -672,6 +672,8 @@ class UpdateRun:
             return self._non_finite(i, "gemm", alpha)
         operand_values, weight_values = values[2 : 2 + 3 * len(operands)], values[2 + 3 * len(operands) :]
         operand_stats = [v for k in range(len(operands)) for v in (operand_values[3 * k], magnitude(*operand_values[3 * k + 1 : 3 * k + 3]))]
+        if not all(map(math.isfinite, (*operand_stats, *weight_values))):  # a non-finite forward: skipped whatever the scale
+            return self._non_finite(i, "gemm", alpha)
         weight_stats = dict(zip(weight_bounds, weight_values))
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
         sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]

@@ -207,6 +207,7 @@ def test_default_run_without_arguments(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "test/miou" in out and "Per-layer gradient scales" in out and "classifier.cast" in out
+    assert re.search(r"[1-9]\d* of 12 backwards decided the scales", out)
     assert "How to read the scales:" in out and "💡" not in out + result.stderr
     places = dict(re.findall(r"^(Run directory|Checkpoint|Dataset|Plot|Log): +(\S+)", out, re.MULTILINE))
     assert Path(places["Run directory"]) == tmp_path / "run"

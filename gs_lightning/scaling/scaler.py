@@ -758,8 +758,8 @@ class GradientScaler:
         # nor in a format that saturates instead of overflowing.
         recompute = self.recompute_weight_gradients and not (self.format.saturates or path or self._compiled)
         caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
-        # They keep batches to come from skipping; a saturating format clips a rare spike instead.
-        # Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
+        # Expected maxima keep the batches to come from skipping; a saturating format clips a rare spike
+        # instead. Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
         expected, levels = ({}, {}) if self.format.saturates or path else self._drift.expect()
         return Settings(
             underflow_rate=self.underflow_rate,

@@ -22,7 +22,7 @@ synchronisation ``step()`` already makes for its found-inf flag.
   varies far more from batch to batch than the small values the underflow target is about (on a
   converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps).
   Each weight gradient's level and the spikes above it in the last ``window`` steps
-  (:meth:`GradientDrift.expected_maxima`) bound it at the next update, as Transformer Engine's
+  (:meth:`GradientDrift.expect`) bound it at the next update, as Transformer Engine's
   amax history bounds a tensor's scale, but following a level that falls.
 * **Overflow.** A non-finite maximum names the parameters whose gradient overflowed; with the
   plan's scales :func:`overflow_caps` lowers only the layers that produced it
@@ -56,7 +56,7 @@ DRIFT_TOLERANCE_LOG2 = 1.0
 # step 27 for one.
 ROUNDING_LOG2 = 1e-9
 # The level a weight gradient's largest value is judged against: the median of its last this many
-# steps (GradientDrift.expected_maxima).
+# steps (GradientDrift.expect).
 LEVEL_STEPS = 8
 # Bits an overflow takes off the accumulated scale of the layers it came from.
 BACKOFF_BITS = 2
@@ -100,7 +100,7 @@ class GradientDrift:
     """The largest magnitude of each weight gradient, on update iterations and between them.
 
     Attributes:
-        window: How many steps :meth:`expected_maxima` looks back on.
+        window: How many steps :meth:`expect` looks back on.
         reference: log2 scale -> (leaf indices, largest magnitude of their gradients) measured on
             the last update iteration.
         zero_at_update: Leaf indices whose gradient was all zeros on the last update iteration.
@@ -200,29 +200,25 @@ class GradientDrift:
         self._pending.clear()
         self._update = False
 
-    def expected_maxima(self) -> dict[int, float]:
-        """Leaf index -> how large its gradient's largest value is expected to get on the coming batches.
+    def expect(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Leaf index -> how large its gradient's largest value is expected to get on the coming batches, and
+        leaf index -> its level now, without the spikes; the first is kept (:attr:`expected`), so that a
+        batch above it asks for the next update.
 
-        Its level now (the median of its last :data:`LEVEL_STEPS` log2 maxima) plus the largest spike
-        in the window (how far one step's value rose above the median of the :data:`LEVEL_STEPS`
-        before it). A level, not the window's maximum, so that gradients shrinking as training starts
-        (SSD300's weight gradients by 2^10 in 64 steps) do not hold the scales down; the spikes, so
-        that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the median) is
-        expected. Computed on update iterations only, on the host (one small tensor).
+        The level is the median of its last :data:`LEVEL_STEPS` log2 maxima; the expected maximum adds
+        the largest spike in the window (how far one step's value rose above the median of the
+        :data:`LEVEL_STEPS` before it). A level, not the window's maximum, so that gradients shrinking
+        as training starts (SSD300's weight gradients by 2^10 in 64 steps) do not hold the scales down;
+        the spikes, so that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the
+        median) is expected. The levels alone bound the GEMMs whose weight gradients are recomputed when
+        a spike overflows them (:mod:`~gs_lightning.scaling.recompute`). Computed on update iterations
+        only, on the host, in one pass over the window (ResNet-50's 161 weight gradients over 100 steps:
+        9-12 ms on the 2-core development machine, one thread, against 25-34 ms for the two computed
+        apart, the same values).
         """
-        return self._log2_maxima()[0]
-
-    def levels(self) -> dict[int, float]:
-        """Leaf index -> its gradient's level now, without the spikes: :meth:`expected_maxima` for the
-        GEMMs whose weight gradients are recomputed when a spike overflows them (:mod:`~gs_lightning.scaling.recompute`)."""
-        return self._log2_maxima()[1]
-
-    def _log2_maxima(self) -> tuple[dict[int, float], dict[int, float]]:
-        """(:meth:`expected_maxima`, :meth:`levels`), from one pass over the window (ResNet-50's 161 weight
-        gradients over 100 steps: 9-12 ms on the 2-core development machine, one thread, against 25-34 ms
-        for the two computed apart, the same values)."""
         leaves = sorted(set().union(*self.recent))
         if not leaves:
+            self.expected = {}
             return {}, {}
         # NaN where a gradient was all zeros or not computed; a tensor from a list is 2x slower than from an array
         log2 = array("d", [math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent for leaf in leaves])
@@ -232,14 +228,8 @@ class GradientDrift:
         levels = padded.unfold(1, LEVEL_STEPS, 1).contiguous().nanmedian(dim=-1).values  # 2x faster than on the strided view
         spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
         expected, level = (torch.exp2(log2_maxima).tolist() for log2_maxima in (levels[:, -1] + spikes, levels[:, -1]))
-        return ({leaf: v for leaf, v in zip(leaves, expected) if math.isfinite(v)},
-                {leaf: v for leaf, v in zip(leaves, level) if math.isfinite(v)})
-
-    def expect(self) -> tuple[dict[int, float], dict[int, float]]:
-        """:meth:`expected_maxima`, for an update to bound the scales by, and :meth:`levels`; the first is
-        kept, so that a batch above it asks for the next update."""
-        self.expected, levels = self._log2_maxima()
-        return self.expected, levels
+        self.expected = {leaf: v for leaf, v in zip(leaves, expected) if math.isfinite(v)}
+        return self.expected, {leaf: v for leaf, v in zip(leaves, level) if math.isfinite(v)}
 
     def clear_recent(self) -> None:
         """Forget the recent and expected maxima and the gradients zero at the update (the graph's

@@ -60,11 +60,11 @@ class Settings:
         total_cap: log2 cap on each accumulated scale (user cap and back-off), or ``None``.
         node_caps: Node index -> log2 cap on that node's accumulated scale (per-layer back-off).
         expected_maxima: Leaf index -> how large its gradient is expected to get on the coming
-            batches (:meth:`GradientDrift.expected_maxima`): a weight gradient's overflow bound.
+            batches (:meth:`GradientDrift.expect`): a weight gradient's overflow bound.
         recompute: Whether the replays can recompute weight gradients that overflow
             (:mod:`~gs_lightning.scaling.recompute`): eager replays, in a format that overflows.
         level_maxima: Leaf index -> its gradient's level, without the spikes
-            (:meth:`GradientDrift.levels`): with ``recompute``, what bounds a recomputable GEMM,
+            (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
             with :data:`RECOMPUTED_SPIKE_SHARE` of the spikes.
     """
 
@@ -208,7 +208,7 @@ OPAQUE_PROBE_HEADROOM_LOG2 = 12
 # batches until the next update (README "How it works": chosen on bench/compare_training.py).
 WEIGHT_GRAD_MARGIN_LOG2 = 0.5
 # Headroom kept above the largest value a GEMM's parameter gradients are expected to reach before
-# the next update (drift.GradientDrift.expected_maxima), in binades (README "How it works": chosen
+# the next update (drift.GradientDrift.expect), in binades (README "How it works": chosen
 # on bench/compare_training.py).
 EXPECTED_MAXIMA_MARGIN_LOG2 = 3.0
 EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"

@@ -7,6 +7,8 @@ times ``batch_scale`` samples) and returns its loss:
 * ``torchvision``  classifiers of ``torchvision.models.list_models()`` (a representative subset
   by default, every one with ``every_torchvision=True``), batch 2 at 32x32 (64x64 for all)
 * ``timm``         a few timm architectures (only if ``timm`` is importable), batch 2 at 32x32
+
+(``image_size`` sets both families' images instead: 224 for what ImageNet training computes.)
 * ``transformers`` small Hugging Face configurations (only if ``transformers`` is importable):
   BERT (SDPA and eager attention), GPT-2, T5, ViT, Whisper; 2 layers of width 128, 64 tokens,
   random weights, no downloads
@@ -85,11 +87,11 @@ def _torchvision(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
     return _classifier(torchvision.models.get_model(name, weights=None, **kwargs), size, _BATCH * scale)
 
 
-def _timm(name: str, scale: int) -> tuple[nn.Module, Forward]:
+def _timm(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
     import timm
 
-    kwargs = {"img_size": 32} if "vit" in name else {}
-    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), 32, _BATCH * scale)
+    kwargs = {"img_size": size} if "vit" in name else {}
+    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), size, _BATCH * scale)
 
 
 def _tokens(batch: int, length: int = _LENGTH) -> Tensor:
@@ -179,7 +181,9 @@ def _rnns() -> list[ZooModel]:
     ]
 
 
-def zoo(families: tuple[str, ...] = FAMILIES, every_torchvision: bool = False, names: tuple[str, ...] = ()) -> list[ZooModel]:
+def zoo(
+    families: tuple[str, ...] = FAMILIES, every_torchvision: bool = False, names: tuple[str, ...] = (), image_size: int | None = None
+) -> list[ZooModel]:
     """The zoo's models in ``families``; timm and transformers only where installed.
 
     Args:
@@ -187,6 +191,8 @@ def zoo(families: tuple[str, ...] = FAMILIES, every_torchvision: bool = False, n
         every_torchvision: Every classifier of ``torchvision.models.list_models()`` at 64x64 instead
             of :data:`TORCHVISION_DEFAULT` at 32x32.
         names: If given, only the models with these names.
+        image_size: Height and width of the torchvision and timm models' images, instead of 32
+            (64 with ``every_torchvision``).
     """
     unknown = set(families) - set(FAMILIES)
     if unknown:
@@ -194,9 +200,9 @@ def zoo(families: tuple[str, ...] = FAMILIES, every_torchvision: bool = False, n
     models: list[ZooModel] = []
     if "torchvision" in families:
         chosen, size = (torchvision.models.list_models(module=torchvision.models), 64) if every_torchvision else (TORCHVISION_DEFAULT, 32)
-        models += [ZooModel("torchvision", n, lambda k, n=n: _torchvision(n, size, k)) for n in chosen]
+        models += [ZooModel("torchvision", n, lambda k, n=n, size=image_size or size: _torchvision(n, size, k)) for n in chosen]
     if "timm" in families and importlib.util.find_spec("timm") is not None:
-        models += [ZooModel("timm", n, lambda k, n=n: _timm(n, k)) for n in TIMM_DEFAULT]
+        models += [ZooModel("timm", n, lambda k, n=n: _timm(n, image_size or 32, k)) for n in TIMM_DEFAULT]
     if "transformers" in families and importlib.util.find_spec("transformers") is not None:
         models += [
             ZooModel("transformers", "bert-sdpa", lambda k: _bert("sdpa", k)),

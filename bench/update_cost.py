@@ -18,6 +18,7 @@ ratio per family.
     python bench/update_cost.py --all --families torchvision             # every list_models() classifier
     python bench/update_cost.py --models resnet18 gpt2 --dump-layers layers.json
     python bench/update_cost.py --batch-scale 8                          # 8x the batches: fixed costs weigh less
+    python bench/update_cost.py --families torchvision timm --image-size 224 --batch-scale 4 --threads 2   # ImageNet's images, batch 8
 """
 
 from __future__ import annotations
@@ -153,14 +154,17 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--all", action="store_true", help="every torchvision list_models() classifier, at 64x64")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per model (after one warm-up round)")
     parser.add_argument("--batch-scale", type=int, default=1, help="multiply every model's batch (bench/_zoo.py) by this")
+    parser.add_argument("--image-size", type=int, help="torchvision and timm images at this size (default 32, 64 with --all)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch_scale < 1:
         parser.error(f"--rounds and --batch-scale must be at least 1, got {args.rounds} and {args.batch_scale}")
+    if args.image_size is not None and args.image_size < 32:
+        parser.error(f"--image-size must be at least 32 (the zoo's smallest), got {args.image_size}")
 
     torch.set_num_threads(args.threads)
-    models = zoo(tuple(args.families), every_torchvision=args.all, names=tuple(args.models))
+    models = zoo(tuple(args.families), every_torchvision=args.all, names=tuple(args.models), image_size=args.image_size)
     if not models:
         parser.error(f"no zoo model matches --families {args.families} --models {args.models} (timm/transformers installed?)")
     results = []
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
         start = time.perf_counter()
         results.append(measure(entry, args.rounds, args.batch_scale))
         print(f"{entry.family}/{entry.name}: {time.perf_counter() - start:.1f} s", flush=True)
-    print(f"\nfp32, {args.threads} CPU thread(s), batch x{args.batch_scale}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
+    images = f", images {args.image_size}x{args.image_size}" if args.image_size else ""
+    print(f"\nfp32, {args.threads} CPU thread(s), batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
     print(report(results))
     if args.dump_layers:
         with open(args.dump_layers, "w") as f:

@@ -10,8 +10,8 @@ times ``batch_scale`` samples) and returns its loss:
 
 (``image_size`` sets both families' images instead: 224 for what ImageNet training computes.)
 * ``transformers`` small Hugging Face configurations (only if ``transformers`` is importable):
-  BERT (SDPA and eager attention), GPT-2, T5, ViT, Whisper; 2 layers of width 128, 64 tokens,
-  random weights, no downloads
+  BERT (SDPA and eager attention), GPT-2, T5, ViT, Whisper; 2 layers of width 128 (or
+  ``transformer_width``, heads of 64 features from 768 up), 64 tokens, random weights, no downloads
 * ``rnn``          ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (128 units) on 8 packed sequences of up
   to 32 steps, with a linear head
 
@@ -103,43 +103,49 @@ def _language_model(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[nn.Mod
     return model, lambda: model(**inputs).loss
 
 
-def _bert(attention: str, scale: int) -> tuple[nn.Module, Forward]:
+def _heads(width: int) -> int:
+    """Attention heads at ``width``: 4 at the zoo's 128, BERT-base's heads of 64 features at 768 and up."""
+    return max(4, width // 64)
+
+
+def _bert(attention: str, width: int, scale: int) -> tuple[nn.Module, Forward]:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=_VOCAB, hidden_size=_HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=4 * _HIDDEN,
+    config = BertConfig(vocab_size=_VOCAB, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width), intermediate_size=4 * width,
                         max_position_embeddings=_LENGTH, num_labels=_NUM_CLASSES, attn_implementation=attention)  # fmt: skip
     labels = torch.randint(0, _NUM_CLASSES, (_BATCH * scale,), generator=torch.Generator().manual_seed(1))
     return _language_model(BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels})
 
 
-def _gpt2(scale: int) -> tuple[nn.Module, Forward]:
+def _gpt2(width: int, scale: int) -> tuple[nn.Module, Forward]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=_VOCAB, n_embd=_HIDDEN, n_layer=2, n_head=4, n_positions=_LENGTH)
+    config = GPT2Config(vocab_size=_VOCAB, n_embd=width, n_layer=2, n_head=_heads(width), n_positions=_LENGTH)
     tokens = _tokens(_BATCH * scale)
     return _language_model(GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens})
 
 
-def _t5(scale: int) -> tuple[nn.Module, Forward]:
+def _t5(width: int, scale: int) -> tuple[nn.Module, Forward]:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=_VOCAB, d_model=_HIDDEN, d_kv=_HIDDEN // 4, d_ff=4 * _HIDDEN, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    heads = _heads(width)
+    config = T5Config(vocab_size=_VOCAB, d_model=width, d_kv=width // heads, d_ff=4 * width, num_layers=2, num_heads=heads, decoder_start_token_id=0)
     return _language_model(T5ForConditionalGeneration(config), {"input_ids": _tokens(_BATCH * scale), "labels": _tokens(_BATCH * scale, _LENGTH // 4)})
 
 
-def _hf_vit(scale: int) -> tuple[nn.Module, Forward]:
+def _hf_vit(width: int, scale: int) -> tuple[nn.Module, Forward]:
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(image_size=32, patch_size=4, hidden_size=_HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=4 * _HIDDEN, num_labels=_NUM_CLASSES)  # fmt: skip
+    config = ViTConfig(image_size=32, patch_size=4, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width),
+                       intermediate_size=4 * width, num_labels=_NUM_CLASSES)  # fmt: skip
     return _classifier(ViTForImageClassification(config), 32, _BATCH * scale)
 
 
-def _whisper(scale: int) -> tuple[nn.Module, Forward]:
+def _whisper(width: int, scale: int) -> tuple[nn.Module, Forward]:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    config = WhisperConfig(vocab_size=_VOCAB, d_model=_HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=4 * _HIDDEN, decoder_ffn_dim=4 * _HIDDEN, num_mel_bins=16,
+    config = WhisperConfig(vocab_size=_VOCAB, d_model=width, encoder_layers=2, decoder_layers=2, encoder_attention_heads=_heads(width),
+                           decoder_attention_heads=_heads(width), encoder_ffn_dim=4 * width, decoder_ffn_dim=4 * width, num_mel_bins=16,
                            max_source_positions=_LENGTH, max_target_positions=_LENGTH, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
     features = torch.randn(_BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0))  # 2 × max_source_positions frames
     labels = _tokens(_BATCH * scale, _LENGTH // 4)
@@ -182,7 +188,11 @@ def _rnns() -> list[ZooModel]:
 
 
 def zoo(
-    families: tuple[str, ...] = FAMILIES, every_torchvision: bool = False, names: tuple[str, ...] = (), image_size: int | None = None
+    families: tuple[str, ...] = FAMILIES,
+    every_torchvision: bool = False,
+    names: tuple[str, ...] = (),
+    image_size: int | None = None,
+    transformer_width: int = _HIDDEN,
 ) -> list[ZooModel]:
     """The zoo's models in ``families``; timm and transformers only where installed.
 
@@ -193,6 +203,7 @@ def zoo(
         names: If given, only the models with these names.
         image_size: Height and width of the torchvision and timm models' images, instead of 32
             (64 with ``every_torchvision``).
+        transformer_width: Width of the transformers family's configurations (BERT-base's is 768).
     """
     unknown = set(families) - set(FAMILIES)
     if unknown:
@@ -204,13 +215,14 @@ def zoo(
     if "timm" in families and importlib.util.find_spec("timm") is not None:
         models += [ZooModel("timm", n, lambda k, n=n: _timm(n, image_size or 32, k)) for n in TIMM_DEFAULT]
     if "transformers" in families and importlib.util.find_spec("transformers") is not None:
+        width = transformer_width
         models += [
-            ZooModel("transformers", "bert-sdpa", lambda k: _bert("sdpa", k)),
-            ZooModel("transformers", "bert-eager", lambda k: _bert("eager", k)),
-            ZooModel("transformers", "gpt2", _gpt2),
-            ZooModel("transformers", "t5", _t5),
-            ZooModel("transformers", "vit", _hf_vit),
-            ZooModel("transformers", "whisper", _whisper),
+            ZooModel("transformers", "bert-sdpa", lambda k: _bert("sdpa", width, k)),
+            ZooModel("transformers", "bert-eager", lambda k: _bert("eager", width, k)),
+            ZooModel("transformers", "gpt2", lambda k: _gpt2(width, k)),
+            ZooModel("transformers", "t5", lambda k: _t5(width, k)),
+            ZooModel("transformers", "vit", lambda k: _hf_vit(width, k)),
+            ZooModel("transformers", "whisper", lambda k: _whisper(width, k)),
         ]
     if "rnn" in families:
         models += _rnns()

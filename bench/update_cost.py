@@ -19,6 +19,7 @@ ratio per family.
     python bench/update_cost.py --models resnet18 gpt2 --dump-layers layers.json
     python bench/update_cost.py --batch-scale 8                          # 8x the batches: fixed costs weigh less
     python bench/update_cost.py --families torchvision timm --image-size 224 --batch-scale 4 --threads 2   # ImageNet's images, batch 8
+    python bench/update_cost.py --families transformers --transformer-width 768 --batch-scale 4           # BERT-base's width, batch 8
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per model (after one warm-up round)")
     parser.add_argument("--batch-scale", type=int, default=1, help="multiply every model's batch (bench/_zoo.py) by this")
     parser.add_argument("--image-size", type=int, help="torchvision and timm images at this size (default 32, 64 with --all)")
+    parser.add_argument("--transformer-width", type=int, default=128, help="width of the transformers family (default 128)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON")
     args = parser.parse_args(argv)
@@ -162,9 +164,11 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
         parser.error(f"--rounds and --batch-scale must be at least 1, got {args.rounds} and {args.batch_scale}")
     if args.image_size is not None and args.image_size < 32:
         parser.error(f"--image-size must be at least 32 (the zoo's smallest), got {args.image_size}")
+    if args.transformer_width < 64 or args.transformer_width % 64:
+        parser.error(f"--transformer-width must be a positive multiple of 64 (heads of up to 64 features), got {args.transformer_width}")
 
     torch.set_num_threads(args.threads)
-    models = zoo(tuple(args.families), every_torchvision=args.all, names=tuple(args.models), image_size=args.image_size)
+    models = zoo(tuple(args.families), every_torchvision=args.all, names=tuple(args.models), image_size=args.image_size, transformer_width=args.transformer_width)
     if not models:
         parser.error(f"no zoo model matches --families {args.families} --models {args.models} (timm/transformers installed?)")
     results = []
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
         results.append(measure(entry, args.rounds, args.batch_scale))
         print(f"{entry.family}/{entry.name}: {time.perf_counter() - start:.1f} s", flush=True)
     images = f", images {args.image_size}x{args.image_size}" if args.image_size else ""
+    images += f", transformers of width {args.transformer_width}" if args.transformer_width != 128 else ""
     print(f"\nfp32, {args.threads} CPU thread(s), batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
     print(report(results))
     if args.dump_layers:

@@ -55,12 +55,14 @@ def test_a_model_that_fails_is_a_row_and_unknown_families_are_refused(update_cos
 
 
 def test_image_size_sets_the_vision_models_images(update_cost) -> None:
-    """``--image-size`` (ImageNet's 224 in the README's second table) reaches the model; 32 is the floor."""
+    """``--image-size`` (ImageNet's 224 in the README's second table) reaches the model; 32 is the floor,
+    and a transformer width must split into heads."""
     (entry,) = update_cost.zoo(("torchvision",), names=("squeezenet1_1",), image_size=48)
     model, forward = entry.build(1)
     seen = []
     model.features[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
     forward()
     assert seen == [(2, 3, 48, 48)]
-    with pytest.raises(SystemExit):
-        update_cost.main(["--image-size", "16"])
+    for bad in (["--image-size", "16"], ["--transformer-width", "100"]):
+        with pytest.raises(SystemExit):
+            update_cost.main(bad)

@@ -30,15 +30,24 @@ def test_zoo_model_is_timed_and_bit_exact(update_cost) -> None:
 
 
 def test_gradients_that_differ_are_reported_not_exact(update_cost) -> None:
-    """A forward that changes between calls gives gradients unequal to plain backward's: the table says NO."""
-    calls = itertools.count()
+    """A custom Function whose backward is not linear in its gradient (a constant) breaks what scaling assumes:
+    its parameters' gradients differ from plain backward's, and the table says NO."""
+
+    class Constant(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            return torch.ones_like(grad)
 
     def build(batch_scale: int):
-        layer = nn.Linear(4, 3)
-        return layer, lambda: layer(torch.full((2, 4), float(next(calls)))).square().sum()
+        layer, x = nn.Linear(4, 3), torch.ones(2, 4)
+        return layer, lambda: Constant.apply(layer(x)).square().sum()
 
-    result = update_cost.measure(update_cost.ZooModel("rnn", "drifting", build), rounds=1)
-    assert not result.error and not result.exact_update and not result.exact_replay
+    result = update_cost.measure(update_cost.ZooModel("rnn", "constant", build), rounds=1)
+    assert not result.error and result.nondeterministic == 0 and not result.exact_update and not result.exact_replay
     assert "NO (no, no)" in update_cost.report([result])
 
 
@@ -66,3 +75,27 @@ def test_image_size_sets_the_vision_models_images(update_cost) -> None:
     for bad in (["--image-size", "16"], ["--transformer-width", "100"]):
         with pytest.raises(SystemExit):
             update_cost.main(bad)
+
+
+def test_parameters_plain_backward_computes_differently_each_time_are_not_compared(update_cost) -> None:
+    """A backward that is not deterministic (a parallel ``index_put_`` on several CPU threads) is not a
+    difference GS made: those parameters are counted apart, the others still compared."""
+    calls = itertools.count()
+
+    class Jitter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            return grad + next(calls) * 1e-3
+
+    def build(batch_scale: int):
+        jittered, steady, x = nn.Linear(4, 3), nn.Linear(4, 3), torch.ones(2, 4)
+        return nn.ModuleList([jittered, steady]), lambda: Jitter.apply(jittered(x)).square().sum() + steady(x).square().sum()
+
+    result = update_cost.measure(update_cost.ZooModel("rnn", "jitter", build), rounds=1)
+    assert not result.error and result.nondeterministic == 2  # the jittered layer's weight and bias
+    assert result.exact_update and result.exact_replay
+    assert "| yes (2 nondeterministic in plain backward) |" in update_cost.report([result])

@@ -1,8 +1,9 @@
 """A third-party model zoo at small sizes, for the update-cost bench (issue 19), built from configs only.
 
-Four families, each model a :class:`ZooModel` whose ``build(batch_scale)`` returns the network in
-training mode and a closure that runs one forward on a fixed synthetic batch (the sizes below
-times ``batch_scale`` samples) and returns its loss:
+Four families, each model a :class:`ZooModel` whose ``build(batch_scale, device)`` returns the network
+in training mode on ``device`` and a closure that runs one forward on a fixed synthetic batch (the
+sizes below times ``batch_scale`` samples, drawn on the CPU and moved, the same on every device) and
+returns its loss:
 
 * ``torchvision``  classifiers of ``torchvision.models.list_models()`` (a representative subset
   by default, every one with ``every_torchvision=True``), batch 2 at 32x32 (64x64 for all)
@@ -51,18 +52,18 @@ _RNN_BATCH, _RNN_LENGTH, _RNN_INPUT, _RNN_HIDDEN = 8, 32, 32, 128
 
 @dataclass(frozen=True)
 class ZooModel:
-    """One model of the zoo: ``build(batch_scale)`` -> (network in training mode, its forward-and-loss closure)."""
+    """One model of the zoo: ``build(batch_scale, device)`` -> (network in training mode, its forward-and-loss closure)."""
 
     family: str
     name: str
-    build: Callable[[int], tuple[nn.Module, Forward]]
+    build: Callable[[int, torch.device | str], tuple[nn.Module, Forward]]
 
 
-def _classifier(model: nn.Module, size: int, batch: int) -> tuple[nn.Module, Forward]:
+def _classifier(model: nn.Module, size: int, batch: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     generator = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 3, size, size, generator=generator)
-    labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator)
-    model.train()
+    images = torch.randn(batch, 3, size, size, generator=generator).to(device)
+    labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator).to(device)
+    model.to(device).train()
 
     def forward() -> Tensor:
         out = model(images)
@@ -76,7 +77,7 @@ def _classifier(model: nn.Module, size: int, batch: int) -> tuple[nn.Module, For
 _MIN_SIZE = {"inception_v3": 75, "maxvit_t": 224}
 
 
-def _torchvision(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
+def _torchvision(name: str, size: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     size = max(size, _MIN_SIZE.get(name, 0))
     kwargs: dict = {"num_classes": _NUM_CLASSES}
     if name.startswith("vit_"):
@@ -84,22 +85,23 @@ def _torchvision(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
         size = kwargs["image_size"] = -(-size // patch) * patch  # a whole number of patches
     if name in ("inception_v3", "googlenet"):
         kwargs |= {"aux_logits": False, "init_weights": True}
-    return _classifier(torchvision.models.get_model(name, weights=None, **kwargs), size, _BATCH * scale)
+    return _classifier(torchvision.models.get_model(name, weights=None, **kwargs), size, _BATCH * scale, device)
 
 
-def _timm(name: str, size: int, scale: int) -> tuple[nn.Module, Forward]:
+def _timm(name: str, size: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     import timm
 
     kwargs = {"img_size": size} if "vit" in name else {}
-    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), size, _BATCH * scale)
+    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), size, _BATCH * scale, device)
 
 
 def _tokens(batch: int, length: int = _LENGTH) -> Tensor:
     return torch.randint(0, _VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def _language_model(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[nn.Module, Forward]:
-    model.train()
+def _language_model(model: nn.Module, inputs: dict[str, Tensor], device: torch.device | str) -> tuple[nn.Module, Forward]:
+    model.to(device).train()
+    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
     return model, lambda: model(**inputs).loss
 
 
@@ -108,40 +110,40 @@ def _heads(width: int) -> int:
     return max(4, width // 64)
 
 
-def _bert(attention: str, width: int, scale: int) -> tuple[nn.Module, Forward]:
+def _bert(attention: str, width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=_VOCAB, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width), intermediate_size=4 * width,
                         max_position_embeddings=_LENGTH, num_labels=_NUM_CLASSES, attn_implementation=attention)  # fmt: skip
     labels = torch.randint(0, _NUM_CLASSES, (_BATCH * scale,), generator=torch.Generator().manual_seed(1))
-    return _language_model(BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels})
+    return _language_model(BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels}, device)
 
 
-def _gpt2(width: int, scale: int) -> tuple[nn.Module, Forward]:
+def _gpt2(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=_VOCAB, n_embd=width, n_layer=2, n_head=_heads(width), n_positions=_LENGTH)
     tokens = _tokens(_BATCH * scale)
-    return _language_model(GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens})
+    return _language_model(GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens}, device)
 
 
-def _t5(width: int, scale: int) -> tuple[nn.Module, Forward]:
+def _t5(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import T5Config, T5ForConditionalGeneration
 
     heads = _heads(width)
     config = T5Config(vocab_size=_VOCAB, d_model=width, d_kv=width // heads, d_ff=4 * width, num_layers=2, num_heads=heads, decoder_start_token_id=0)
-    return _language_model(T5ForConditionalGeneration(config), {"input_ids": _tokens(_BATCH * scale), "labels": _tokens(_BATCH * scale, _LENGTH // 4)})
+    return _language_model(T5ForConditionalGeneration(config), {"input_ids": _tokens(_BATCH * scale), "labels": _tokens(_BATCH * scale, _LENGTH // 4)}, device)
 
 
-def _hf_vit(width: int, scale: int) -> tuple[nn.Module, Forward]:
+def _hf_vit(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(image_size=32, patch_size=4, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width),
                        intermediate_size=4 * width, num_labels=_NUM_CLASSES)  # fmt: skip
-    return _classifier(ViTForImageClassification(config), 32, _BATCH * scale)
+    return _classifier(ViTForImageClassification(config), 32, _BATCH * scale, device)
 
 
-def _whisper(width: int, scale: int) -> tuple[nn.Module, Forward]:
+def _whisper(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     config = WhisperConfig(vocab_size=_VOCAB, d_model=width, encoder_layers=2, decoder_layers=2, encoder_attention_heads=_heads(width),
@@ -149,7 +151,7 @@ def _whisper(width: int, scale: int) -> tuple[nn.Module, Forward]:
                            max_source_positions=_LENGTH, max_target_positions=_LENGTH, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
     features = torch.randn(_BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0))  # 2 × max_source_positions frames
     labels = _tokens(_BATCH * scale, _LENGTH // 4)
-    return _language_model(WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels})
+    return _language_model(WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels}, device)
 
 
 class PackedRNNClassifier(nn.Module):
@@ -168,22 +170,22 @@ class PackedRNNClassifier(nn.Module):
         return self.head(torch.cat(list(h[-directions:]), dim=-1))
 
 
-def _rnn(rnn: nn.RNNBase, scale: int) -> tuple[nn.Module, Forward]:
+def _rnn(rnn: nn.RNNBase, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     generator = torch.Generator().manual_seed(0)
     batch = _RNN_BATCH * scale
-    sequences = torch.randn(_RNN_LENGTH, batch, rnn.input_size, generator=generator)
-    lengths = torch.linspace(_RNN_LENGTH, 3, batch).long()  # variable lengths, the longest first
-    labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator)
-    model = PackedRNNClassifier(rnn).train()
+    sequences = torch.randn(_RNN_LENGTH, batch, rnn.input_size, generator=generator).to(device)
+    lengths = torch.linspace(_RNN_LENGTH, 3, batch).long()  # variable lengths, the longest first (on the CPU, as packing wants)
+    labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator).to(device)
+    model = PackedRNNClassifier(rnn).to(device).train()
     return model, lambda: F.cross_entropy(model(sequences, lengths), labels)
 
 
 def _rnns() -> list[ZooModel]:
     return [
-        ZooModel("rnn", "lstm-2layer-bidirectional", lambda k: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, num_layers=2, bidirectional=True), k)),
-        ZooModel("rnn", "lstm-proj", lambda k: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, proj_size=_RNN_HIDDEN // 2), k)),
-        ZooModel("rnn", "gru-2layer", lambda k: _rnn(nn.GRU(_RNN_INPUT, _RNN_HIDDEN, num_layers=2), k)),
-        ZooModel("rnn", "rnn-tanh-bidirectional", lambda k: _rnn(nn.RNN(_RNN_INPUT, _RNN_HIDDEN, bidirectional=True), k)),
+        ZooModel("rnn", "lstm-2layer-bidirectional", lambda k, d: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, num_layers=2, bidirectional=True), k, d)),
+        ZooModel("rnn", "lstm-proj", lambda k, d: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, proj_size=_RNN_HIDDEN // 2), k, d)),
+        ZooModel("rnn", "gru-2layer", lambda k, d: _rnn(nn.GRU(_RNN_INPUT, _RNN_HIDDEN, num_layers=2), k, d)),
+        ZooModel("rnn", "rnn-tanh-bidirectional", lambda k, d: _rnn(nn.RNN(_RNN_INPUT, _RNN_HIDDEN, bidirectional=True), k, d)),
     ]
 
 
@@ -211,18 +213,18 @@ def zoo(
     models: list[ZooModel] = []
     if "torchvision" in families:
         chosen, size = (torchvision.models.list_models(module=torchvision.models), 64) if every_torchvision else (TORCHVISION_DEFAULT, 32)
-        models += [ZooModel("torchvision", n, lambda k, n=n, size=image_size or size: _torchvision(n, size, k)) for n in chosen]
+        models += [ZooModel("torchvision", n, lambda k, d, n=n, size=image_size or size: _torchvision(n, size, k, d)) for n in chosen]
     if "timm" in families and importlib.util.find_spec("timm") is not None:
-        models += [ZooModel("timm", n, lambda k, n=n: _timm(n, image_size or 32, k)) for n in TIMM_DEFAULT]
+        models += [ZooModel("timm", n, lambda k, d, n=n: _timm(n, image_size or 32, k, d)) for n in TIMM_DEFAULT]
     if "transformers" in families and importlib.util.find_spec("transformers") is not None:
         width = transformer_width
         models += [
-            ZooModel("transformers", "bert-sdpa", lambda k: _bert("sdpa", width, k)),
-            ZooModel("transformers", "bert-eager", lambda k: _bert("eager", width, k)),
-            ZooModel("transformers", "gpt2", lambda k: _gpt2(width, k)),
-            ZooModel("transformers", "t5", lambda k: _t5(width, k)),
-            ZooModel("transformers", "vit", lambda k: _hf_vit(width, k)),
-            ZooModel("transformers", "whisper", lambda k: _whisper(width, k)),
+            ZooModel("transformers", "bert-sdpa", lambda k, d: _bert("sdpa", width, k, d)),
+            ZooModel("transformers", "bert-eager", lambda k, d: _bert("eager", width, k, d)),
+            ZooModel("transformers", "gpt2", lambda k, d: _gpt2(width, k, d)),
+            ZooModel("transformers", "t5", lambda k, d: _t5(width, k, d)),
+            ZooModel("transformers", "vit", lambda k, d: _hf_vit(width, k, d)),
+            ZooModel("transformers", "whisper", lambda k, d: _whisper(width, k, d)),
         ]
     if "rnn" in families:
         models += _rnns()

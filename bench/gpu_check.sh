@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a session with an NVIDIA GPU (written for one H200 and ~15 minutes of
 # device time): GPU and software versions, gradient fidelity at realistic sizes, GS's backward
-# overhead on ResNet-50 and full-step times of GS vs GradScaler on SegNet-basic and SSD512.
+# overhead on ResNet-50, full-step times of GS vs GradScaler on SegNet-basic and SSD512, and what an
+# update iteration costs against a plain backward on the torchvision and RNN zoo (issue 19, item 5).
 #
 #   bench/gpu_check.sh        # from the repository root, with `python` the project's env
 #
 # Every stage has a timeout so that one hang cannot eat the budget; the timeouts add up to
-# under 8 minutes. A failing stage does not stop the later ones: failures are listed at the end
+# under 10 minutes. A failing stage does not stop the later ones: failures are listed at the end
 # and make the exit status nonzero. Everything is also written to bench/gpu_check.log.
 set -euo pipefail
 
@@ -51,6 +52,7 @@ main() {
     stage "fidelity" 210 python bench/fidelity.py --device cuda --size realistic
     stage "overhead" 120 python bench/overhead.py --device cuda --autocast --arch resnet50 --batch-size 256 --image-size 224 --rounds 10
     stage "step_time" 90 python bench/step_time.py --device cuda --size realistic
+    stage "update_cost" 120 python bench/update_cost.py --device cuda --families torchvision rnn --image-size 224 --batch-scale 16 --rounds 3
     echo
     echo "=== done, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), ${SECONDS} s ==="
     if ((${#FAILED[@]})); then

@@ -22,6 +22,7 @@ ratio per family.
     python bench/update_cost.py --batch-scale 8                          # 8x the batches: fixed costs weigh less
     python bench/update_cost.py --families torchvision timm --image-size 224 --batch-scale 4 --threads 2   # ImageNet's images, batch 8
     python bench/update_cost.py --families transformers --transformer-width 768 --batch-scale 4           # BERT-base's width, batch 8
+    python bench/update_cost.py --device cuda --families torchvision transformers --image-size 224 --transformer-width 768 --batch-scale 16
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ def _scaled_backward(scaler: GradientScaler, loss: torch.Tensor) -> None:
     scaler.update()
 
 
-def measure(entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1) -> Measurement:
-    """Time plain, update and replay backwards of one zoo model and check their gradients are equal."""
+def measure(entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1, device: torch.device | str = "cpu") -> Measurement:
+    """Time plain, update and replay backwards of one zoo model on ``device`` and check their gradients are equal."""
     result = Measurement(entry.family, entry.name)
     try:
         torch.manual_seed(0)
-        model, forward = entry.build(batch_scale)
+        model, forward = entry.build(batch_scale, device)
+        synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
         update = GradientScaler(model, update_interval=1)
         replay = GradientScaler(model, update_interval=10**9)
         backward: dict[str, Callable[[torch.Tensor], None]] = {
@@ -102,8 +104,10 @@ def measure(entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1)
             model.zero_grad(set_to_none=True)
             torch.manual_seed(0)  # the same dropout masks for every method
             loss = forward()
+            synchronize()  # the forward's kernels are not the backward's time
             start = time.perf_counter()
             backward[method](loss)
+            synchronize()
             return (time.perf_counter() - start) * 1e3
 
         with warnings.catch_warnings():
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--image-size", type=int, help="torchvision and timm images at this size (default 32, 64 with --all)")
     parser.add_argument("--transformer-width", type=int, default=128, help="width of the transformers family (default 128)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default cpu)")
     parser.add_argument("--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch_scale < 1:
@@ -188,11 +193,12 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     results = []
     for entry in models:
         start = time.perf_counter()
-        results.append(measure(entry, args.rounds, args.batch_scale))
+        results.append(measure(entry, args.rounds, args.batch_scale, device=args.device))
         print(f"{entry.family}/{entry.name}: {time.perf_counter() - start:.1f} s", flush=True)
     images = f", images {args.image_size}x{args.image_size}" if args.image_size else ""
     images += f", transformers of width {args.transformer_width}" if args.transformer_width != 128 else ""
-    print(f"\nfp32, {args.threads} CPU thread(s), batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
+    where = f"{args.threads} CPU thread(s)" if torch.device(args.device).type == "cpu" else f"{args.device} ({torch.cuda.get_device_name(args.device)})"
+    print(f"\nfp32, {where}, batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
     print(report(results))
     if args.dump_layers:
         with open(args.dump_layers, "w") as f:

@@ -17,7 +17,7 @@ def update_cost(bench_module):
 
 def test_zoo_model_is_timed_and_bit_exact(update_cost) -> None:
     (entry,) = update_cost.zoo(("rnn",), names=("rnn-tanh-bidirectional",))
-    model, forward = entry.build(1)
+    model, forward = entry.build(1, "cpu")
     assert model.training and math.isfinite(forward().item())
 
     result = update_cost.measure(entry, rounds=1)
@@ -42,7 +42,7 @@ def test_gradients_that_differ_are_reported_not_exact(update_cost) -> None:
         def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
             return torch.ones_like(grad)
 
-    def build(batch_scale: int):
+    def build(batch_scale: int, device: str):
         layer, x = nn.Linear(4, 3), torch.ones(2, 4)
         return layer, lambda: Constant.apply(layer(x)).square().sum()
 
@@ -52,7 +52,7 @@ def test_gradients_that_differ_are_reported_not_exact(update_cost) -> None:
 
 
 def test_a_model_that_fails_is_a_row_and_unknown_families_are_refused(update_cost, capsys: pytest.CaptureFixture) -> None:
-    def build(batch_scale: int):
+    def build(batch_scale: int, device: str):
         raise RuntimeError("no such layer")
 
     result = update_cost.measure(update_cost.ZooModel("timm", "broken", build), rounds=1)
@@ -67,7 +67,7 @@ def test_image_size_sets_the_vision_models_images(update_cost) -> None:
     """``--image-size`` (ImageNet's 224 in the README's second table) reaches the model; 32 is the floor,
     and a transformer width must split into heads."""
     (entry,) = update_cost.zoo(("torchvision",), names=("squeezenet1_1",), image_size=48)
-    model, forward = entry.build(1)
+    model, forward = entry.build(1, "cpu")
     seen = []
     model.features[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
     forward()
@@ -91,7 +91,7 @@ def test_parameters_plain_backward_computes_differently_each_time_are_not_compar
         def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
             return grad + next(calls) * 1e-3
 
-    def build(batch_scale: int):
+    def build(batch_scale: int, device: str):
         jittered, steady, x = nn.Linear(4, 3), nn.Linear(4, 3), torch.ones(2, 4)
         return nn.ModuleList([jittered, steady]), lambda: Jitter.apply(jittered(x)).square().sum() + steady(x).square().sum()
 

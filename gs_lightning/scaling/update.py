@@ -232,6 +232,12 @@ _EXPECTED = frozenset({EXPECTED_PARAMETER_GRADIENTS, RECOMPUTED_SPIKES, FED_PARA
 KEPT_DOWNSTREAM = "scale the layers it feeds keep"
 
 
+def expected_total(expected: float, lambda_max: float) -> int:
+    """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
+    :data:`EXPECTED_MAXIMA_MARGIN_LOG2` below ``lambda_max``."""
+    return math.ceil(overflow_max_log2_scale(expected * 2.0**EXPECTED_MAXIMA_MARGIN_LOG2, lambda_max)) - 1
+
+
 def _exact(limit: str) -> bool:
     """Whether an overflow limit (named as in :meth:`UpdateRun._choose`) is exact on the update iteration."""
     return limit in EXACT_LIMITS or limit.startswith("output")
@@ -602,7 +608,7 @@ class UpdateRun:
 
     def _expected_total(self, i: int) -> int:
         """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`_gemm_scale` bounds it)."""
-        return math.ceil(overflow_max_log2_scale(self._expected[i] * 2.0**EXPECTED_MAXIMA_MARGIN_LOG2, self.settings.lambda_max)) - 1
+        return expected_total(self._expected[i], self.settings.lambda_max)
 
     def _total_cap(self, i: int) -> int | None:
         caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self._kept_downstream.get(i)) if c is not None]

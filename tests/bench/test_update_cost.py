@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,22 +30,29 @@ def test_zoo_model_is_timed_and_bit_exact(update_cost) -> None:
     assert "| rnn | rnn-tanh-bidirectional |" in table and "| rnn | 1 |" in table and "| 1 of 1 |" in table
 
 
-def test_gradients_that_differ_are_reported_not_exact(update_cost) -> None:
-    """A custom Function whose backward is not linear in its gradient (a constant) breaks what scaling assumes:
-    its parameters' gradients differ from plain backward's, and the table says NO."""
+def _identity_backward_by(backward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x`` as a custom Function whose backward returns ``backward(grad)``."""
 
-    class Constant(torch.autograd.Function):
+    class Identity(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x: torch.Tensor) -> torch.Tensor:
             return x.clone()
 
         @staticmethod
         def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-            return torch.ones_like(grad)
+            return backward(grad)
+
+    return Identity.apply
+
+
+def test_gradients_that_differ_are_reported_not_exact(update_cost) -> None:
+    """A custom Function whose backward is not linear in its gradient (a constant) breaks what scaling assumes:
+    its parameters' gradients differ from plain backward's, and the table says NO."""
+    constant = _identity_backward_by(torch.ones_like)
 
     def build(batch_scale: int, device: str):
         layer, x = nn.Linear(4, 3), torch.ones(2, 4)
-        return layer, lambda: Constant.apply(layer(x)).square().sum()
+        return layer, lambda: constant(layer(x)).square().sum()
 
     result = update_cost.measure(update_cost.ZooModel("rnn", "constant", build), rounds=1)
     assert not result.error and result.nondeterministic == 0 and not result.exact_update and not result.exact_replay
@@ -81,19 +89,11 @@ def test_parameters_plain_backward_computes_differently_each_time_are_not_compar
     """A backward that is not deterministic (a parallel ``index_put_`` on several CPU threads) is not a
     difference GS made: those parameters are counted apart, the others still compared."""
     calls = itertools.count()
-
-    class Jitter(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-            return grad + next(calls) * 1e-3
+    jitter = _identity_backward_by(lambda grad: grad + next(calls) * 1e-3)
 
     def build(batch_scale: int, device: str):
         jittered, steady, x = nn.Linear(4, 3), nn.Linear(4, 3), torch.ones(2, 4)
-        return nn.ModuleList([jittered, steady]), lambda: Jitter.apply(jittered(x)).square().sum() + steady(x).square().sum()
+        return nn.ModuleList([jittered, steady]), lambda: jitter(jittered(x)).square().sum() + steady(x).square().sum()
 
     result = update_cost.measure(update_cost.ZooModel("rnn", "jitter", build), rounds=1)
     assert not result.error and result.nondeterministic == 2  # the jittered layer's weight and bias

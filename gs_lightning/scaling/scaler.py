@@ -407,8 +407,8 @@ class GradientScaler:
         expected maxima intact, :func:`~gs_lightning.scaling.drift.within_margin`): expect those values
         from now on, without an update. Whether it did.
 
-        Such an update would decide from one batch what the last one did, and its layers' bounds let
-        their scales stand: SegNet's updates were 40 of 47 of these, by 0.01-0.62 binades (README "How it works").
+        The update such a rise asked for before would not lower those layers on its account: SegNet's
+        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected (README "How it works").
         """
         reading = self._drift.last
         plan, analysis = self._plans.get(()), self._analyses.get(())

@@ -256,7 +256,9 @@ def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> 
     assert read([3.0, 4.0], update=True).drift_log2 == 0.0  # the reference: the group's largest, 4
     grown = read([12.0, 16.0])  # 4× the update's
     assert grown.drift_log2 == pytest.approx(-2.0) and not grown.drifted
-    shrunk = read([1.5, 2.0])  # half
+    shrunk = read([1.5, 2.0])  # half: one such batch is not drift, the group's level is still 4
+    assert not shrunk.drifted and shrunk.drift_log2 == pytest.approx(0.0)
+    shrunk = read([1.5, 2.0])  # a second: the level fell too
     assert shrunk.drifted and shrunk.drift_log2 == pytest.approx(1.0)
     overflowed = read([math.inf, 4.0])
     assert overflowed.drifted and overflowed.non_finite == {1} and overflowed.some_overflowed
@@ -272,7 +274,10 @@ def test_drift_is_measured_from_the_level_when_the_update_batch_was_above_it() -
         read([value / 2, value])
     assert read([1.0, 8.0], update=True).drift_log2 == 0.0  # a batch 2^3 above the level: the reference is the level, 1.1
     assert not read([0.5, 1.0]).drifted  # an ordinary batch: not 3 binades of drift
-    assert read([0.25, 0.5]).drift_log2 == pytest.approx(math.log2(1.1 / 0.5))  # a binade below the level: drift
+    assert not read([0.25, 0.5]).drifted  # one batch a binade below the level: not yet
+    for _ in range(3):
+        reading = read([0.25, 0.5])
+    assert reading.drift_log2 == pytest.approx(math.log2(1.1 / 0.5))  # four: the level fell a binade, drift
     read([0.5, 1.0])
     assert read([0.25, 0.5], update=True).drift_log2 == 0.0 and drift.reference[0][1] == 0.5  # a batch below its level: its own value
 

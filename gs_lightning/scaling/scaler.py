@@ -412,7 +412,7 @@ class GradientScaler:
         """
         reading = self._drift.last
         plan, analysis = self._plans.get(()), self._analyses.get(())
-        if not reading.surprised or reading.non_finite or reading.drift_log2 >= DRIFT_TOLERANCE_LOG2 or plan is None or analysis is None:
+        if not reading.surprised or reading.non_finite or reading.shrank or plan is None or analysis is None:
             return False
         if not within_margin(analysis, plan, reading.surprised, partial(expected_total, lambda_max=self.format.max)):
             return False

@@ -2,7 +2,8 @@
 
 For every model of ``bench/_zoo.py`` (torchvision classifiers, timm, Hugging Face transformers
 from small configs, packed RNNs; timm and transformers only if installed), in fp32 on one CPU
-thread, methods interleaved round by round on the same batch, medians of the rounds:
+thread (``--threads``, or on ``--device``), methods interleaved round by round on the same batch,
+medians of the rounds:
 
 * plain   ``loss.backward()``
 * update  ``GradientScaler.backward`` + ``found_inf`` on an update iteration (statistics, probes)

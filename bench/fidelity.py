@@ -18,11 +18,13 @@ GS overflowed first (for all of them with ``--details``).
 
     python bench/fidelity.py --device cpu                   # small sizes: 1.5 min on 2 idle cores
     python bench/fidelity.py --device cuda --size realistic # 20 fp32 warm-up steps by default
+    python bench/fidelity.py --device cpu --json fidelity.json   # also the settings and rows as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import shlex
@@ -213,6 +215,7 @@ def main() -> None:
         "--warmup-steps", type=int, help="fp32 SGD steps before measuring (default: 20 on cuda, 0 on cpu)"
     )
     parser.add_argument("--details", action="store_true", help="per-layer breakdown for every model")
+    parser.add_argument("--json", metavar="FILE", help="write the settings and the table's rows here as JSON")
     args = parser.parse_args()
     size = args.size or ("realistic" if args.device == "cuda" else "small")
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else (20 if args.device == "cuda" else 0)
@@ -251,6 +254,14 @@ def main() -> None:
     for result in results:
         if args.details or result.ratio > TARGET_RATIO or len(result.runs[DEFAULT_GS].attempts) > 1:
             print("\n" + diagnosis(result))
+    if args.json:
+        settings = {"size": size, "device": args.device, "device name": _device_name(device), "seed": args.seed,
+                    "fp32 warm-up steps": warmup_steps, "torch": torch.__version__, "target ratio": TARGET_RATIO}
+        rows = [{"model": row.model, "method": row.method, "scale": row.scale, "gradient error": row.fidelity.error,
+                 "underflow": row.fidelity.underflow, "GS error / best fixed": row.ratio}
+                for result in results for row in result.rows]
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings, "rows": rows}, f, indent=1)
 
 
 def _device_name(device: torch.device) -> str:

@@ -18,6 +18,7 @@ section is synchronised, and a reuse iteration is also run under
     python bench/overhead.py --autocast            # the same under fp16 autocast (slow on a CPU)
     python bench/overhead.py --device cuda --autocast --batch-size 256 --image-size 224
     python bench/overhead.py --compile --arch resnet18   # torch.compile'd model (inductor; --backend to change)
+    python bench/overhead.py --json overhead.json  # also the settings and rows as JSON (bench/docs_results.py reads it)
 
 With ``--compile`` every method trains a ``torch.compile``d model: plain and GradScaler one
 compiled copy, GS between updates another (the scaler compiles it with its scale vector), and GS
@@ -28,6 +29,7 @@ update iterations a third, whose forward runs dynamo's captured graph eagerly on
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument(
         "--cpu-time", action="store_true", help="time the process's CPU time, not wall time (a shared CPU, one thread)"
     )
+    parser.add_argument("--json", metavar="FILE", help="write the settings and the table's rows here as JSON")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -200,10 +203,13 @@ def main() -> None:
     timed = "forward+backward" if args.compile else "backward"
     print(f"| method | {timed} ms | added vs plain (ms) | ratio vs plain | aten ops (backward) | ops added vs plain |")
     print("|---|---|---|---|---|---|")
+    rows = []
     for name, samples in times.items():
         median = statistics.median(samples)
         added = ops[name] - ops["plain backward"]
         print(f"| {name} | {median:.1f} | {median - plain:+.2f} | {median / plain:.3f} | {ops[name]} | {added:+d} |")
+        rows.append({"method": name, f"{timed} ms": median, "added vs plain (ms)": median - plain,
+                     "ratio vs plain": median / plain, "aten ops (backward)": ops[name], "ops added vs plain": added})
     reuse, amp_ms = statistics.median(times["GS between updates"]), statistics.median(times["GradScaler"])
     best_reuse, best_amp = min(times["GS between updates"]), min(times["GradScaler"])
     print(f"\nGS between updates vs GradScaler: median {reuse - amp_ms:+.2f} ms ({reuse / amp_ms:.3f}x), "
@@ -213,6 +219,12 @@ def main() -> None:
         print("\nHost-side work of GS between updates (no kernels):")
     for name, value in breakdown.items():
         print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")
+    if args.json:
+        settings = {"arch": args.arch, "batch size": args.batch_size, "image size": args.image_size, "device": device.type,
+                    "threads": args.threads, "autocast fp16": args.autocast, "rounds": args.rounds, "clock": clock_name,
+                    "torch.compile backend": args.backend if args.compile else None, "torch": torch.__version__}
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings, "rows": rows, "host breakdown": breakdown}, f, indent=1)
 
 
 if __name__ == "__main__":

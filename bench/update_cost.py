@@ -20,6 +20,7 @@ ratio per family.
     PYTHONPATH=$PWD:/tmp/zoo_pkgs python bench/update_cost.py            # default zoo, a few minutes
     python bench/update_cost.py --all --families torchvision             # every list_models() classifier
     python bench/update_cost.py --models resnet18 gpt2 --dump-layers layers.json
+    python bench/update_cost.py --rounds 1 --json zoo.json                # also the settings and rows as JSON
     python bench/update_cost.py --batch-scale 8                          # 8x the batches: fixed costs weigh less
     python bench/update_cost.py --families torchvision timm --image-size 224 --batch-scale 4 --threads 2   # ImageNet's images, batch 8
     python bench/update_cost.py --families transformers --transformer-width 768 --batch-scale 4           # BERT-base's width, batch 8
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default cpu)")
     parser.add_argument("--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON")
+    parser.add_argument("--json", metavar="FILE", help="write the settings and every model's times and exactness as JSON")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch_scale < 1:
         parser.error(f"--rounds and --batch-scale must be at least 1, got {args.rounds} and {args.batch_scale}")
@@ -204,6 +206,13 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     if args.dump_layers:
         with open(args.dump_layers, "w") as f:
             json.dump({f"{r.family}/{r.name}": r.layers for r in results}, f, indent=1)
+    if args.json:
+        settings = {"families": args.families, "rounds": args.rounds, "batch scale": args.batch_scale,
+                    "image size": args.image_size or (64 if args.all else 32), "transformer width": args.transformer_width,
+                    "where": where, "torch": torch.__version__}
+        rows = [{**{k: v for k, v in asdict(r).items() if k != "layers"}, "decisions": len(r.layers)} for r in results]
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings, "rows": rows}, f, indent=1)
     return results
 
 

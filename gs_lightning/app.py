@@ -281,12 +281,20 @@ _NOT_CONTENT = {".hydra", "train.log", "hparams.yaml"}
 
 
 def _remove_empty_run_directory(run_dir: Path) -> None:
-    """Remove the run directory of a failed run when it holds nothing beyond what every run starts with."""
+    """Remove the run directory of a failed run when it holds nothing beyond what every run starts with,
+    and the folders above it that Hydra made for it and that are now empty (``outputs/<recipe>/<precision>``),
+    up to the working directory."""
     if not run_dir.is_dir():
         return
     files = [p for p in run_dir.rglob("*") if p.is_file() and not _NOT_CONTENT & {part for part in p.relative_to(run_dir).parts}]
-    if not files:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if files:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir, here = run_dir.resolve(), Path.cwd().resolve()
+    for folder in run_dir.parents:
+        if folder == here or here not in folder.parents or any(folder.iterdir()):
+            return
+        folder.rmdir()
 
 
 def _where(trainer: L.Trainer, cfg: DictConfig | None) -> list[str]:
@@ -319,12 +327,12 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
 def _explain(error: InstantiationException) -> AppError:
     """One line for a failed instantiation: the config key and what went wrong."""
     cause = error.__cause__
-    if isinstance(cause, AppError | DatasetError | FileNotFoundError):
-        return AppError(str(cause))  # already names the file or value
     key = re.search(r"full_key: (\S+)", str(error))
     key = key.group(1) if key else "config"
     target = re.search(r"target '([\w.]+)'", str(error))
     target = target.group(1) if target else ""
+    if isinstance(cause, AppError | DatasetError | FileNotFoundError):
+        return AppError(_as_overrides(str(cause), key, target))  # already names the file or value
     if isinstance(cause, ImportError):
         extra = _LOGGER_EXTRAS.get(target.rsplit(".", 1)[-1])
         if extra is not None:
@@ -337,6 +345,17 @@ def _explain(error: InstantiationException) -> AppError:
     if cause is None:
         return AppError(f"{key}: {str(error).splitlines()[0]}")
     return AppError(f"{key}: {cause}")
+
+
+def _as_overrides(message: str, key: str, target: str) -> str:
+    """A message that names an argument of ``target`` as ``name=...`` names the override, ``key.name=...``."""
+    try:
+        names = list(inspect.signature(get_object(target)).parameters) if target else []
+    except (ImportError, ValueError, TypeError):
+        return message
+    if not names:
+        return message
+    return re.sub(rf"(?<![\w.])({'|'.join(map(re.escape, names))})=", rf"{key}.\1=", message)
 
 
 def _data_root_hint(error: Exception, cfg: DictConfig) -> str:

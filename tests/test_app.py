@@ -307,9 +307,18 @@ def test_unknown_setting_lists_the_valid_ones(tmp_path: Path) -> None:
     assert message.startswith("error: model: unknown setting 'depth'; valid settings: num_classes,")
 
 
-def test_missing_pretrained_weights_say_where_to_put_them(tmp_path: Path) -> None:
-    message = _error(["recipe=ssd300", f"model.pretrained={tmp_path / 'vgg16.pth'}"], tmp_path)
-    assert not message.startswith("error: bad config value") and str(tmp_path / "vgg16.pth") in message
+def test_missing_pretrained_weights_say_where_to_put_them_and_leave_no_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The message names the override (model.pretrained=...), and the run directory Hydra made
+    (outputs/ssd300/gs/<date>, with its .hydra files) goes with the folders above it."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("outputs", "ssd300", "gs", "2026-01-01_00-00-00")
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("{}")
+    with pytest.raises(SystemExit) as info:
+        run(_compose([f"paths.output_dir={run_dir}", *QUIET, "recipe=ssd300", f"model.pretrained={tmp_path / 'vgg16.pth'}"]))
+    message = info.value.code
+    assert str(tmp_path / "vgg16.pth") in message and message.endswith("or pass its path as model.pretrained=..."), message
+    assert not Path("outputs").exists() and tmp_path.is_dir()
 
 
 # Where Lightning looks for each logger's package: as if not installed when these requirements fail.

@@ -45,7 +45,7 @@ from gs_lightning.simulate.methods import (
     DynamicLossScale,
     FixedLossScale,
     NoScaling,
-    PerTensorAmaxScaling,
+    RecipeScaling,
 )
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
@@ -87,7 +87,7 @@ def _methods() -> dict[str, Method]:
         Method("e5m2-none", "e5m2", "no scaling", f16, True, E5M2, lambda m: NoScaling()),
         Method("e5m2-fixed4096", "e5m2", "fixed loss scale 4096", f16, True, E5M2, lambda m: FixedLossScale(4096)),
         Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
-        Method("e5m2-amax", "e5m2", "per-tensor amax (TE delayed)", f16, True, E5M2, lambda m: PerTensorAmaxScaling()),
+        Method("e5m2-amax", "e5m2", "per-tensor amax (TE delayed)", f16, True, E5M2, lambda m: RecipeScaling()),
         Method(
             "e5m2-amax-dynamic", "e5m2", "per-tensor amax + dynamic loss scale", f16, True, E5M2,
             lambda m: DynamicLossScale(grad_scaling=DelayedScaling()),

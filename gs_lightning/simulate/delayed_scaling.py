@@ -21,10 +21,10 @@ torchao's float8 delayed scaling (``torchao/float8/float8_utils.py``: ``amax_his
 with ``"max"``, ``amax_to_scale``) is the same rule without margin, with amax clamped at 1e-12
 and, for fp16 tensors, the scale capped at 65504; this class follows Transformer Engine.
 
-What differs here, by construction of the emulation: Transformer Engine quantizes the gradient
-*entering* each backward GEMM (∇Y); :func:`gs_lightning.simulate.emulate` rounds the gradients a
-backward GEMM *produces* (∇X and ∇W), so each of those gets its own scale and history. ∇X of one
-GEMM is, up to elementwise ops, ∇Y of the GEMM before it.
+Transformer Engine quantizes the gradient *entering* each backward GEMM (∇Y):
+:func:`gs_lightning.simulate.emulate` does so with ``grad_rounding="entering"``; with its default
+``"output"`` it rounds the gradients a backward GEMM *produces* (∇X and ∇W), so each of those gets
+its own scale and history. ∇X of one GEMM is, up to elementwise ops, ∇Y of the GEMM before it.
 """
 
 from __future__ import annotations
@@ -76,8 +76,10 @@ class DelayedScaling:
         self._fp8_max: float | None = None
         self._amaxes: list[torch.Tensor] = []  # amaxes of the current backward, in order
 
-    def quantize(self, values: torch.Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
-        """Scale, cast to ``fp8_dtype`` with saturation, unscale: the next tensor of this backward."""
+    def quantize(
+        self, values: torch.Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype, block_dims: tuple[int, ...] = ()
+    ) -> torch.Tensor:
+        """Scale, cast to ``fp8_dtype`` with saturation, unscale: the next tensor of this backward (``block_dims`` unused)."""
         fp8_max = float_format(fp8_dtype).max
         if self._fp8_max is None:
             self._fp8_max = fp8_max

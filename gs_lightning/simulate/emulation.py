@@ -17,13 +17,13 @@ fp16 CPU kernel is as slow: it runs in fp32 from the same values, its fp16 outpu
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Self
 
-from gs_lightning.simulate.delayed_scaling import DelayedScaling
+from gs_lightning.simulate.grad_scaling import GradScaling, pow2_oracle_underflow
 from gs_lightning.simulate.rounding import EMULATED_DTYPES, GRAD_DTYPES, round_to
 
 aten = torch.ops.aten
@@ -31,37 +31,57 @@ aten = torch.ops.aten
 # GEMMs autocast runs in low precision; in a backward pass their outputs are gradients.
 _GEMMS = frozenset({aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 _CONV_BACKWARD = aten.convolution_backward.default
+_BIAS_GEMMS = frozenset({aten.addmm.default, aten.baddbmm.default})  # operands 1 and 2 are the matrices
 # Also slow with fp16 inputs on CPUs (60x fp32 in training mode), not GEMMs: computed in fp32 as
 # cuDNN does, only the outputs that are fp16 for real are rounded (to ``dtype``, never to grad_dtype).
 _BATCH_NORM = frozenset({aten.native_batch_norm.default, aten.native_batch_norm_backward.default})
 
 
 class UnderflowMeter:
-    """Underflow of the gradients emulated backward GEMMs produce (∇X and ∇W).
+    """Underflow of the gradients the emulation casts: what backward GEMMs produce (∇X and ∇W) or what enters them (∇Y).
 
     For each such tensor: the fraction of its nonzero fp32 (exact) elements that rounding made
-    zero. Statistics stay on the device until :meth:`collect`.
+    zero. With ``oracle_format``, also the fraction the best per-tensor power-of-two scale without
+    overflow would have made zero in that format (:func:`~gs_lightning.simulate.grad_scaling.pow2_oracle_underflow`):
+    a lower bound for any method that gives the tensor one power-of-two scale, computed from the
+    very tensors the run produced. Statistics stay on the device until :meth:`collect`.
+
+    Args:
+        oracle_format: Format of the oracle's cast (the emulation's ``grad_dtype``), or ``None``
+            for no oracle.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, oracle_format: torch.dtype | None = None) -> None:
+        if oracle_format is not None and oracle_format not in GRAD_DTYPES:
+            raise ValueError(f"UnderflowMeter: oracle_format must be None or one of {list(GRAD_DTYPES)}, got {oracle_format!r}")
+        self.oracle_format = oracle_format
         self._pending: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def add(self, exact: torch.Tensor, rounded: torch.Tensor) -> None:
         """Record one gradient: its exact fp32 values and what rounding stored."""
         nonzero = exact != 0
-        stats = torch.stack([(nonzero & (rounded == 0)).sum(), nonzero.sum()])
+        counts = [(nonzero & (rounded == 0)).sum(), nonzero.sum()]
+        if self.oracle_format is not None:
+            counts.append(pow2_oracle_underflow(exact, self.oracle_format))
+        stats = torch.stack(counts)
         with self._lock:
             self._pending.append(stats)
 
     def collect(self) -> list[float]:
         """Per tensor recorded since the last call, in order: its underflow fraction (one sync)."""
+        return self.collect_with_oracle()[0]
+
+    def collect_with_oracle(self) -> tuple[list[float], list[float]]:
+        """Per tensor recorded since the last call: underflow fractions and the oracle's (empty without ``oracle_format``)."""
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
-            return []
-        lost, nonzero = torch.stack(pending).double().unbind(1)
-        return (lost / nonzero.clamp(min=1)).tolist()
+            return [], []
+        stats = torch.stack(pending).double()
+        nonzero = stats[:, 1].clamp(min=1)
+        oracle = (stats[:, 2] / nonzero).tolist() if stats.shape[1] == 3 else []
+        return (stats[:, 0] / nonzero).tolist(), oracle
 
 
 class emulate:  # a context manager, named like torch.autocast and torch.no_grad
@@ -77,12 +97,25 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
 
     While active, every convolution, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` whose
     floating-point operands are all ``dtype`` (what autocast produces) runs in fp32 on the same
-    values and rounds its result to ``dtype``, subnormals and overflow to inf included. In a
-    backward pass the gradients these GEMMs produce (∇X and ∇W; a convolution's bias gradient is a
-    sum, not a GEMM output, and stays ``dtype``) are rounded to ``grad_dtype`` instead, e.g.
-    ``torch.float8_e5m2``, and stored in ``dtype`` (which holds every fp8 value exactly).
+    values and rounds its result to ``dtype``, subnormals and overflow to inf included.
     BatchNorm with ``dtype`` inputs (forward and backward) also runs in fp32, its ``dtype``
     outputs rounded to ``dtype``: PyTorch's fp16 CPU kernel is as slow as the convolutions'.
+
+    In a backward pass, where the gradients are cast to ``grad_dtype`` depends on ``grad_rounding``:
+
+    * ``"output"`` (the fp16 path): the gradients these GEMMs **produce** (∇X and ∇W; a
+      convolution's bias gradient is a sum, not a GEMM output, and stays ``dtype``) are rounded to
+      ``grad_dtype`` instead of ``dtype``, e.g. ``torch.float8_e5m2``, and stored in ``dtype``
+      (which holds every fp8 value exactly). An fp16 GEMM writes fp16 itself: no method sees the
+      result before it is rounded.
+    * ``"entering"`` (the fp8 hardware path, as Transformer Engine and torchao run it): the
+      gradient **entering** each backward GEMM (∇Y, from its ``dtype`` value) is cast to
+      ``grad_dtype``, once per GEMM that reads it (a Linear's ∇Y feeds the ∇X and the ∇W GEMM:
+      two casts, whose MX blocks run along different dimensions); the GEMM computes in fp32 and
+      writes ``dtype``. The gradient operand is the one that is not a tensor the autograd node
+      saved from the forward (a convolution's is its first argument); only gradients are cast,
+      the forward operands stay ``dtype``. A convolution's bias gradient is summed from the
+      uncast ∇Y.
 
     Use it as a context manager, around the forward and the backward separately or around both;
     entering is cheap and nesting is harmless (the innermost wins). The mode is thread-local, and
@@ -91,14 +124,17 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
 
     Args:
         dtype: The compute format to emulate: ``torch.float16`` (or ``torch.bfloat16``).
-        grad_dtype: Format of the gradients backward GEMMs produce; ``None`` means ``dtype``.
-        grad_scaling: Optional per-tensor scaling of those gradients before they are rounded
-            (:class:`DelayedScaling`, Transformer Engine's recipe); needs an fp8 ``grad_dtype``.
-        underflow: Optional :class:`UnderflowMeter` that records, per backward GEMM output, how
-            many nonzero exact values rounding made zero (costs two reductions per GEMM).
+        grad_dtype: Format of the backward's gradient casts; ``None`` means ``dtype``.
+        grad_scaling: Optional scaling of those casts (:class:`~gs_lightning.simulate.DelayedScaling`,
+            :class:`~gs_lightning.simulate.CurrentScaling` or
+            :class:`~gs_lightning.simulate.MXBlockScaling`); needs an fp8 ``grad_dtype``.
+        underflow: Optional :class:`UnderflowMeter` that records, per gradient cast, how many
+            nonzero exact values rounding made zero (costs two reductions per cast).
+        grad_rounding: ``"output"`` or ``"entering"`` (see above); ``"entering"`` needs a
+            ``grad_dtype`` other than ``dtype``.
 
     Raises:
-        ValueError: ``dtype``, ``grad_dtype`` or ``grad_scaling`` is not one of those supported.
+        ValueError: ``dtype``, ``grad_dtype``, ``grad_scaling`` or ``grad_rounding`` is not one of those supported.
     """
 
     def __init__(
@@ -106,8 +142,9 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         dtype: torch.dtype = torch.float16,
         grad_dtype: torch.dtype | None = None,
         *,
-        grad_scaling: DelayedScaling | None = None,
+        grad_scaling: GradScaling | None = None,
         underflow: UnderflowMeter | None = None,
+        grad_rounding: Literal["output", "entering"] = "output",
     ) -> None:
         if dtype not in EMULATED_DTYPES:
             raise ValueError(f"emulate: dtype must be one of {list(EMULATED_DTYPES)}, got {dtype!r}")
@@ -115,10 +152,15 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
             raise ValueError(f"emulate: grad_dtype must be None or one of {list(GRAD_DTYPES)}, got {grad_dtype!r}")
         if grad_scaling is not None and grad_dtype not in (torch.float8_e5m2, torch.float8_e4m3fn):
             raise ValueError(f"emulate: grad_scaling needs an fp8 grad_dtype (float8_e5m2 or float8_e4m3fn), got {grad_dtype!r}")
+        if grad_rounding not in ("output", "entering"):
+            raise ValueError(f"emulate: grad_rounding must be 'output' or 'entering', got {grad_rounding!r}")
+        if grad_rounding == "entering" and grad_dtype in (None, dtype):
+            raise ValueError(f"emulate: grad_rounding='entering' needs a grad_dtype other than dtype ({dtype}), got {grad_dtype!r}")
         self.dtype = dtype
         self.grad_dtype = grad_dtype if grad_dtype is not None else dtype
         self.grad_scaling = grad_scaling
         self.underflow = underflow
+        self.grad_rounding = grad_rounding
         self._modes = threading.local()
 
     def __enter__(self) -> Self:
@@ -133,13 +175,13 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
     def __exit__(self, *exc: object) -> None:
         self._modes.stack.pop().__exit__(*exc)
 
-    def _round_grad(self, exact: torch.Tensor | None) -> torch.Tensor | None:
+    def _cast_grad(self, exact: torch.Tensor | None, block_dims: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor | None:
         if exact is None:
             return None
         if self.grad_scaling is not None:
-            rounded = self.grad_scaling.quantize(exact, self.grad_dtype, self.dtype)
+            rounded = self.grad_scaling.quantize(exact, self.grad_dtype, out_dtype, block_dims)
         else:
-            rounded = round_to(exact, self.grad_dtype, self.dtype)
+            rounded = round_to(exact, self.grad_dtype, out_dtype)
         if self.underflow is not None:
             self.underflow.add(exact, rounded)
         return rounded
@@ -151,13 +193,47 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         return (_maybe_to(first, self.dtype), *rest)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.grad_rounding == "entering":
+            return self._run_entering(func, args, kwargs)
         exact = func(*_to_fp32(args), **_to_fp32(kwargs))
         if func is _CONV_BACKWARD:
             grad_input, grad_weight, grad_bias = exact
-            return self._round_grad(grad_input), self._round_grad(grad_weight), _maybe_to(grad_bias, self.dtype)
+            # MX blocks along the dimension the next GEMM reduces: ∇X's channels (the next
+            # layer's ∇X GEMM), ∇W's fan-in (a row of the weight matrix).
+            weight_dims = tuple(range(1, args[2].dim()))
+            return (self._cast_grad(grad_input, (1,), self.dtype), self._cast_grad(grad_weight, weight_dims, self.dtype),
+                    _maybe_to(grad_bias, self.dtype))
         if torch._C._current_autograd_node() is not None:  # called by a backward node: a gradient
-            return self._round_grad(exact)
+            return self._cast_grad(exact, (-1,), self.dtype)
         return exact.to(self.dtype)
+
+    def _run_entering(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        node = torch._C._current_autograd_node()
+        if node is None:  # the forward
+            return func(*_to_fp32(args), **_to_fp32(kwargs)).to(self.dtype)
+        if func is _CONV_BACKWARD:
+            return self._conv_backward_entering(args)
+        first = 1 if func in _BIAS_GEMMS else 0
+        saved = _saved_storages(node)
+        operands = list(_to_fp32(args))
+        for position, block_dim in ((first, -1), (first + 1, -2)):  # a GEMM reduces its first operand's last dim, its second's second-to-last
+            if args[position].untyped_storage().data_ptr() not in saved:
+                operands[position] = self._cast_grad(operands[position], (block_dim,), torch.float32)
+        return func(*operands, **_to_fp32(kwargs)).to(self.dtype)
+
+    def _conv_backward_entering(self, args: tuple) -> tuple[torch.Tensor | None, ...]:
+        grad_output, rest, mask = args[0].float(), _to_fp32(args[1:10]), args[10]
+        not_channels = tuple(d for d in range(grad_output.dim()) if d != 1)
+        grad_input = grad_weight = grad_bias = None
+        if mask[0]:  # ∇X reduces over the output channels
+            cast = self._cast_grad(grad_output, (1,), torch.float32)
+            grad_input = _CONV_BACKWARD(cast, *rest, [True, False, False])[0].to(self.dtype)
+        if mask[1]:  # ∇W reduces over the batch and the positions
+            cast = self._cast_grad(grad_output, not_channels, torch.float32)
+            grad_weight = _CONV_BACKWARD(cast, *rest, [False, True, False])[1].to(self.dtype)
+        if mask[2]:
+            grad_bias = grad_output.sum(not_channels).to(self.dtype)
+        return grad_input, grad_weight, grad_bias
 
 
 class _EmulationMode(TorchDispatchMode):
@@ -182,6 +258,22 @@ def _all_floats_are(args: tuple, dtype: torch.dtype) -> bool:
                 return False
             found = True
     return found
+
+
+def _saved_storages(node: Any) -> set[int]:
+    """Storages of the tensors an autograd node saved from the forward (its ``_saved_*`` attributes)."""
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_saved_"))
+    storages = set()
+    for name in names:
+        value = getattr(node, name)
+        if isinstance(value, torch.Tensor):
+            storages.add(value.untyped_storage().data_ptr())
+    return storages
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _to_fp32(obj: Any) -> Any:

@@ -12,6 +12,7 @@ import torch
 
 from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
 from gs_lightning.simulate.delayed_scaling import DelayedScaling
+from gs_lightning.simulate.grad_scaling import GradScaling
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -21,7 +22,7 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class NoScaling:
     """Plain ``loss.backward()``; a step with a non-finite gradient is skipped."""
 
-    grad_scaling: DelayedScaling | None = None
+    grad_scaling: GradScaling | None = None
 
     def __init__(self) -> None:
         self.skipped_steps = 0
@@ -71,15 +72,16 @@ class DynamicLossScale:
     Args:
         init_scale: First loss scale (GradScaler's default 2^16).
         growth_interval: Good steps before the scale doubles (GradScaler's default 2000).
-        grad_scaling: Optional :class:`DelayedScaling` this method's backward updates after each
-            pass; passed to :func:`~gs_lightning.simulate.emulate` by the training loop. With it
-            the method is per-tensor amax scaling of fp8 gradients under a dynamic loss scale, as
-            fp16 training with Transformer Engine runs (the loss scale keeps the fp16 tensors
-            between the fp8 GEMMs in range; the per-tensor scales fit each fp8 cast).
+        grad_scaling: Optional fp8 scaling recipe (:class:`DelayedScaling`, ``CurrentScaling``,
+            ``MXBlockScaling``) this method's backward updates after each pass; passed to
+            :func:`~gs_lightning.simulate.emulate` by the training loop. With it the method is
+            that recipe's scaling of fp8 gradients under a dynamic loss scale, as fp16 training
+            with Transformer Engine runs (the loss scale keeps the fp16 tensors between the fp8
+            GEMMs in range; the recipe's scales fit each fp8 cast).
     """
 
     def __init__(
-        self, init_scale: float = 2.0**16, growth_interval: int = 2000, grad_scaling: DelayedScaling | None = None
+        self, init_scale: float = 2.0**16, growth_interval: int = 2000, grad_scaling: GradScaling | None = None
     ) -> None:
         self.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
         self.grad_scaling = grad_scaling
@@ -101,18 +103,19 @@ class DynamicLossScale:
         return stepped
 
 
-class PerTensorAmaxScaling(NoScaling):
-    """Per-tensor delayed amax scaling of fp8 gradients alone (Transformer Engine's recipe), no loss scale.
+class RecipeScaling(NoScaling):
+    """An fp8 scaling recipe alone, no loss scale: delayed, current or MX block scaling of the gradient casts.
 
     Args:
-        grad_scaling: The :class:`DelayedScaling` state (default: Transformer Engine's defaults).
+        grad_scaling: The recipe's state (default: :class:`DelayedScaling` with Transformer
+            Engine's defaults); the training loop passes it to :func:`~gs_lightning.simulate.emulate`.
     """
 
-    def __init__(self, grad_scaling: DelayedScaling | None = None) -> None:
+    def __init__(self, grad_scaling: GradScaling | None = None) -> None:
         super().__init__()
         self.grad_scaling = grad_scaling if grad_scaling is not None else DelayedScaling()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss``, then update the per-tensor scales from this pass's amaxes."""
+        """Backpropagate ``loss``, then let the recipe update its scales (delayed scaling's amax history)."""
         loss.backward()
         self.grad_scaling.update()

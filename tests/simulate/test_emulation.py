@@ -17,7 +17,7 @@ from gs_lightning.simulate.methods import (
     DynamicLossScale,
     FixedLossScale,
     NoScaling,
-    PerTensorAmaxScaling,
+    RecipeScaling,
 )
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
@@ -260,7 +260,7 @@ def test_loss_scaling_methods_leave_true_gradients_and_skip_non_finite_steps() -
         model, stepped = _step(method)
         assert stepped and method.skipped_steps == 0
         assert torch.equal(model.weight.data, reference.weight.data)
-    for method in (NoScaling(), FixedLossScale(4), DynamicLossScale(), PerTensorAmaxScaling()):
+    for method in (NoScaling(), FixedLossScale(4), DynamicLossScale(), RecipeScaling()):
         with emulate(torch.float16, E5M2, grad_scaling=method.grad_scaling) if method.grad_scaling else torch.autocast("cpu", enabled=False):
             _, stepped = _step(method, float("inf"))
         assert not stepped and method.skipped_steps == 1, method

@@ -29,6 +29,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
+from gs_lightning.data.synthetic import generated_dataset
 from gs_lightning.lightning.callback import ResumeCallback, finished_epochs
 from gs_lightning.scaling.scaler import GradientScaler
 
@@ -88,6 +89,7 @@ def build(cfg: DictConfig) -> Run:
     """
     L.seed_everything(cfg.seed, workers=True)
     datamodule = _instantiate(cfg.data)
+    _check_data_root(datamodule, cfg)
     task = _instantiate(cfg.task, model=_instantiate(cfg.model))
     callbacks = [_instantiate(c) for c in cfg.callbacks.values() if c is not None]
     for callback in callbacks:
@@ -106,6 +108,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     _quiet_lightning()
     try:
         built = build(cfg)
+        _say_where_the_data_comes_from(built.datamodule, cfg)
         _say_how_fp16_runs(built.trainer)
         if cfg.ckpt_path is not None:
             reached = _check_resume(Path(cfg.ckpt_path), built)
@@ -187,6 +190,42 @@ def _skipped_at_the_end(scaler: GradientScaler) -> str:
     return text + (
         ", before any scale: unscaled fp16 would have failed there too. The loss or the forward was non-finite, "
         "or training diverged (lower the learning rate, check the inputs); the table's NaN rows are that update's."
+    )
+
+
+def _check_data_root(datamodule: L.LightningDataModule, cfg: DictConfig) -> None:
+    """A recipe that generates its data (the demo) writes it into a folder that exists or under
+    ``paths.cache_dir``: a ``data.root`` that does not exist is more likely a mistyped path to a
+    real dataset than a wish for generated data there."""
+    if getattr(datamodule, "synthetic", None) is None or datamodule.root.exists():
+        return
+    cache = Path(str(cfg.paths.cache_dir)).expanduser().absolute()
+    if cache == datamodule.root or cache in datamodule.root.parents:
+        return
+    raise AppError(
+        f"data.root={datamodule.root} does not exist; {datamodule.layout}. The demo writes its generated data only "
+        f"under paths.cache_dir ({cache}; leave data.root unset) or into a folder that exists"
+    )
+
+
+def _say_where_the_data_comes_from(datamodule: L.LightningDataModule, cfg: DictConfig) -> None:
+    """One line: generated data (and where), or the dataset's folder; a warning when a recipe that
+    trains on a real dataset is pointed at a folder of generated data (the generator's marker file)."""
+    root, name = datamodule.root, type(datamodule).__name__.removesuffix("DataModule")
+    if getattr(datamodule, "synthetic", None) is not None:
+        settings = ", ".join(f"{key}={value}" for key, value in datamodule.synthetic.items())
+        log.info(f"Data: generated, seeded, in {name}'s on-disk layout ({settings}), written on first use into {root}")
+        return
+    generated = generated_dataset(root)
+    if generated is None:
+        log.info(f"Data: {name} from {root}")
+        return
+    marker, settings = generated
+    recipe = f"recipe={_recipe_name()}" if _recipe_name() else "this recipe"
+    log.warning(
+        f"warning: data.root={root} holds generated data ({marker.name} records "
+        f"{', '.join(f'{k}={v}' for k, v in settings.items() if k != 'complete')}), not the real {name}: {recipe} "
+        f"(trainer.max_steps={cfg.trainer.max_steps}) trains on the generated set; give data.root=/path/to/{name} for results that mean anything"
     )
 
 

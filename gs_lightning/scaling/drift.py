@@ -1,7 +1,7 @@
 """Between scale updates: how far the weight gradients drifted, how large they were, and which layers overflowed.
 
 All three come from the largest magnitude of each deferred weight gradient, taken right after the
-fused unscale-and-check pass (:func:`largest_magnitudes`, no synchronisation) and read in the one
+fused unscale (:func:`largest_magnitudes`, no synchronisation) and read in the one
 synchronisation ``step()`` already makes for its found-inf flag.
 
 * **Drift.** The scales an update chose are the smallest that meet γ' for the gradients of that
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from gs_lightning.scaling.finite import unscale_and_check_
+from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import GraphAnalysis, Slot
 from gs_lightning.scaling.plan import ScalePlan
 
@@ -341,29 +341,24 @@ def _shrink_log2(norm: float, reference: float) -> float:
     return math.log2(reference / norm)
 
 
-def unscale_check_and_measure(
-    leaves: Iterable[tuple[int, torch.Tensor, int]], drift: GradientDrift | None, update: bool
-) -> list[torch.Tensor]:
-    """Divide each leaf's ``.grad`` by ``2^alpha``, flag non-finite values, and queue each gradient's largest magnitude.
+def unscale_and_measure(leaves: Iterable[tuple[int, torch.Tensor, int]], drift: GradientDrift | None, update: bool) -> None:
+    """Divide each leaf's ``.grad`` by ``2^alpha`` and queue each gradient's largest magnitude.
 
-    ``leaves`` holds (leaf index, leaf variable, alpha). One fused pass
-    (``unscale_and_check_``) per scale, device and dtype, all setting one flag per device: the
-    memory traffic of ``GradScaler.unscale_``, so ``step`` needs no second pass; with ``drift``,
-    each gradient's largest magnitude on top (:func:`largest_magnitudes`). Nothing is synchronised;
-    returns the flags.
+    ``leaves`` holds (leaf index, leaf variable, alpha). One fused multiply per scale, device and
+    dtype (none where alpha is 0); with ``drift``, each gradient's largest magnitude on top
+    (:func:`largest_magnitudes`), measured here, as the backward left it, before clipping or any
+    other edit. Nothing is checked (``step`` reads every gradient it uses) or synchronised.
     """
     by_alpha: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for j, variable, alpha in leaves:
         if variable.grad is not None:
             by_alpha[alpha].append((j, variable.grad))
-    found_inf: dict[torch.device, torch.Tensor] = {}
     for alpha, group in by_alpha.items():
-        grads = [grad for _, grad in group]
-        unscale_and_check_(grads, 2.0**-alpha, found_inf)
+        if alpha != 0:
+            unscale_([grad for _, grad in group], 2.0**-alpha)
         dense = [(j, grad) for j, grad in group if grad.is_floating_point() and not grad.is_sparse]
         if drift is not None and dense:
             drift.measure(alpha, tuple(j for j, _ in dense), [grad for _, grad in dense], update)
-    return list(found_inf.values())
 
 
 # --- per-layer back-off ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Finiteness checks (and unscaling) of gradients: one fused kernel per device and dtype, no sync.
+"""Finiteness checks and unscaling of gradients: one fused kernel per device and dtype, no sync.
 
 Shared by :class:`~gs_lightning.scaling.GradientScaler` and the loss-scaling baselines. Sparse
 gradients (``nn.Embedding(sparse=True)``) are handled through their values, since torch's fused
@@ -24,21 +24,35 @@ def unscale_and_check_(
     cleared. Nothing is synchronised: reading a flag is the caller's choice.
     """
     flags = {} if found_inf is None else found_inf
+    grads = list(grads)
+    groups = _dense_groups(grads)
+    for (device, _), tensors in groups.items():
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, _flag(flags, device), _inv_scale(inv_scale, device))
+    for grad in grads:  # finite duplicates of an uncoalesced fp16 gradient may overflow once summed, as the optimizer will
+        if grad is not None and grad.is_sparse and grad.dtype == torch.float16 and not grad.is_coalesced():
+            torch._amp_foreach_non_finite_check_and_unscale_([grad.coalesce()._values()], _flag(flags, grad.device), _inv_scale(1.0, grad.device))
+    return [flags[device] for device in {device for device, _ in groups}]
+
+
+def unscale_(grads: Iterable[torch.Tensor], inv_scale: float) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place (a power of two: exact), one fused kernel per device and dtype.
+
+    No check: :func:`unscale_and_check_` does that where the step reads every gradient it uses.
+    """
+    for tensors in _dense_groups(grads).values():
+        torch._foreach_mul_(tensors, inv_scale)
+
+
+def _dense_groups(grads: Iterable[torch.Tensor | None]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The floating-point ``grads`` by device and dtype; a sparse one as its values, duplicates included
+    (scaling and checking them is exact)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    uncoalesced_fp16: list[torch.Tensor] = []
     for grad in grads:
         if grad is None or not grad.is_floating_point():
             continue
-        if grad.is_sparse:  # its values, duplicates included: scaling and checking them is exact
-            if grad.dtype == torch.float16 and not grad.is_coalesced():
-                uncoalesced_fp16.append(grad)  # finite duplicates may overflow once summed, as the optimizer will
-            grad = grad._values()
-        groups[(grad.device, grad.dtype)].append(grad)
-    for (device, _), tensors in groups.items():
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, _flag(flags, device), _inv_scale(inv_scale, device))
-    for grad in uncoalesced_fp16:  # GradScaler checks these coalesced too
-        torch._amp_foreach_non_finite_check_and_unscale_([grad.coalesce()._values()], _flag(flags, grad.device), _inv_scale(1.0, grad.device))
-    return [flags[device] for device in {device for device, _ in groups}]
+        values = grad._values() if grad.is_sparse else grad
+        groups[(values.device, values.dtype)].append(values)
+    return groups
 
 
 def _flag(flags: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -11,8 +11,11 @@ How it runs, in brief:
   at hand: that is the only host-device synchronisation.
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
-  synchronisation of their own; the fused unscale of the weight gradients also takes their norms
-  (:mod:`~gs_lightning.scaling.drift`), which ``step()`` reads with its finiteness flags.
+  synchronisation of their own; the fused unscale of the weight gradients also takes their largest
+  magnitudes (:mod:`~gs_lightning.scaling.drift`), which ``step()`` reads with its finiteness flags.
+* ``step()`` checks every ``.grad`` its optimizer will use, in one fused pass per device and dtype
+  (``GradScaler.unscale_``'s), whoever wrote it and however (``.data``, numpy, a kernel: writes that no
+  version counter sees), and reads that flag and the drift statistic in one synchronisation.
 * A weight gradient that overflows between updates, computed from a finite incoming gradient, is
   recomputed in fp32 from operands the replay kept, and the step goes on
   (:mod:`~gs_lightning.scaling.recompute`); any other non-finite gradient skips the step.
@@ -48,9 +51,9 @@ from gs_lightning.scaling.drift import (
     largest_magnitudes,
     overflow_leaves,
     within_margin,
-    unscale_check_and_measure,
+    unscale_and_measure,
 )
-from gs_lightning.scaling.finite import any_non_finite
+from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
@@ -209,12 +212,7 @@ class GradientScaler:
         self._recomputed_steps = 0
         self._update_iterations = 0
         self._prepared: _PreparedBackward | None = None
-        # Finiteness since the last step: flags of the fused unscale-and-check of deferred leaves, and the
-        # .grad tensors those flags cover, with their version counters then. Any other .grad (unscaled during
-        # the backward, changed or replaced since, written without the scaler) is read when a step asks.
-        self._found_inf_flags: list[torch.Tensor] = []
-        self._flags_read: bool | None = None  # their value, once read (one sync per step, not per optimizer)
-        self._checked: dict[int, tuple[torch.Tensor, int]] = {}
+        self._drift_read = True  # whether the maxima the backwards queued since the last step were read
         self._written: dict[int, torch.Tensor] = {}  # leaves the backwards since the last step reached
         self._optimizer_stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
         self._optimizer_found_inf: dict[int, bool] = {}
@@ -328,8 +326,11 @@ class GradientScaler:
 
     @property
     def found_inf(self) -> bool:
-        """Whether a gradient that a backward since the last step reached is non-finite now (synchronises)."""
-        return self._flagged() or any_non_finite(self._unverified(self._written.values()))
+        """Whether a gradient that a backward since the last step reached is non-finite now.
+
+        Reads every such ``.grad`` in one fused pass and synchronises once (twice after a recompute).
+        """
+        return self._check([v.grad for v in self._written.values() if v.grad is not None])
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``: the gradients are already true, so this only checks them.
@@ -352,10 +353,10 @@ class GradientScaler:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
 
         As ``GradScaler``, each optimizer is judged by the gradients it is about to use (as they
-        were at :meth:`unscale_`, if that was called): the flags of the fused unscale-and-check
-        cover the ``.grad`` tensors it finished, unchanged since (same tensor, same version
-        counter), and every other ``.grad`` is read, whoever wrote it. One synchronisation on a
-        non-update iteration. A skipped step leaves the weights untouched, restores the attached
+        were at :meth:`unscale_`, if that was called): every ``.grad`` it holds is read in one fused
+        pass per device and dtype, whoever wrote it and however (through ``.data`` or numpy too).
+        Synchronises once, reading that flag with the drift statistic of the iteration's backwards
+        (twice where an overflowed weight gradient was recomputed). A skipped step leaves the weights untouched, restores the attached
         models' buffers to their values before the iteration, and makes the next backward
         recompute the scales, with the accumulated scale capped below the one that overflowed.
 
@@ -382,24 +383,24 @@ class GradientScaler:
             self._save_buffers()
         return True
 
-    def _flagged(self) -> bool:
-        """Whether a fused unscale-and-check since the last step met a non-finite value (one sync)."""
-        if self._flags_read is None:
-            flags, norms = self._found_inf_flags, self._drift.pending()
-            if not flags:
-                self._flags_read = False
-                self._drift.read([])  # nothing measured this iteration
-                return False
-            device = flags[0].device
-            parts = [f.to(device) for f in flags] + ([torch.stack(norms).to(device)] if norms else [])
-            values = torch.cat(parts).tolist()  # the flags and the drift statistic in one sync
-            self._flags_read = any(values[: len(flags)])
-            self._drift.read(values[len(flags) :])
-            if self._flags_read and self._recompute_overflows():
-                self._flags_read = False
-            if self._drift.last.drifted and not self._surprise_within_margin():
-                self._force_update = True
-        return self._flags_read
+    def _check(self, grads: list[torch.Tensor]) -> bool:
+        """Whether one of ``grads`` is non-finite now: one fused pass, read with the drift statistic in one sync.
+
+        Where that reading finds weight gradients that overflowed by themselves at GEMMs the replay kept
+        the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again.
+        """
+        flags = unscale_and_check_(grads)  # every value read, as GradScaler.unscale_ reads them; x1 changes none
+        norms = [] if self._drift_read else self._drift.pending()
+        readings = flags + ([torch.stack(norms)] if norms else [])
+        values = torch.cat([r.to(readings[0].device) for r in readings]).tolist() if readings else []  # one sync
+        if self._drift_read:
+            return any(values)
+        self._drift_read = True
+        self._drift.read(values[len(flags) :])
+        recomputed = self._recompute_overflows()
+        if self._drift.last.drifted and not self._surprise_within_margin():
+            self._force_update = True
+        return any_non_finite(grads) if recomputed else any(values[: len(flags)])
 
     def _surprise_within_margin(self) -> bool:
         """Where weight gradients rising above what the last update expected of them is all that asks for an
@@ -430,30 +431,14 @@ class GradientScaler:
             return False
         for parameter, grad in grads.values():
             parameter.grad.copy_(grad)
-        self._checked.clear()  # the step reads every gradient again: the flags covered more than the recomputed ones
         maxima = torch.stack(largest_magnitudes([grad for _, grad in grads.values()])).tolist()
         self._drift.recomputed(dict(zip(grads, maxima)))
         self._recomputed_steps += 1
         return True
 
     def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether one of ``optimizer``'s gradients is non-finite, reading the flags where they suffice."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self._flagged():  # some gradient is non-finite: is it one of this optimizer's?
-            return any_non_finite(p.grad for p in params)
-        return any_non_finite(self._unverified(params))
-
-    def _unverified(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """The ``.grad`` of ``params`` that no flag covers: not checked by the fused pass, or changed since."""
-        grads = []
-        for p in params:
-            grad = p.grad
-            if grad is None:
-                continue
-            checked = self._checked.get(id(p))
-            if checked is None or checked[0] is not grad or checked[1] != grad._version:
-                grads.append(grad)
-        return grads
+        """Whether one of ``optimizer``'s gradients is non-finite, every one read."""
+        return self._check([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None])
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.
@@ -471,11 +456,9 @@ class GradientScaler:
             )
         self._optimizer_stage.clear()
         self._optimizer_found_inf.clear()
-        self._found_inf_flags.clear()
-        self._flags_read = None
+        self._drift_read = True
         self._drift.discard()
         self._recompute.clear()
-        self._checked.clear()
         self._written.clear()
         self._skipped_this_iteration = False
 
@@ -543,16 +526,13 @@ class GradientScaler:
         self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
 
     # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
-    _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_analyses", "_checked",
-                  "_written", "_found_inf_flags", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan",
-                  "_recompute")
+    _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_analyses",
+                  "_written", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan", "_recompute")
 
     def __getstate__(self) -> dict[str, Any]:
-        """What a copy keeps. Without the iteration's finiteness records a copy reads every ``.grad`` at its
-        next step; without the models it names no layers and restores no buffers until :meth:`attach`."""
+        """What a copy keeps. Without the models it names no layers and restores no buffers until :meth:`attach`."""
         state = {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
         state["_plans"] = {path: plan.state_dict() for path, plan in self._plans.items()}
-        state["_flags_read"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -560,7 +540,7 @@ class GradientScaler:
         self._plans = {path: ScalePlan.from_state_dict(plan) for path, plan in state["_plans"].items()}
         self._models, self._module_names, self._parameter_names, self._buffer_copy = [], {}, {}, []
         self._prepared, self._analyses = None, {}
-        self._checked, self._written, self._found_inf_flags = {}, {}, []
+        self._written = {}
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
         self._compiled, self._compiled_plan = [], None
         self._recompute = WeightGradRecompute()
@@ -724,18 +704,16 @@ class GradientScaler:
         if run is not None:
             run.complete()
         deferred = prepared.leaves.deferred
-        self._flags_read = None
+        self._drift_read = False
         if prepared.compiled is not None:  # leaf indices and scales of the eager update, which the drift compares with
             unscaled = [(e, graph.nodes[j].variable, alpha) for j, e, alpha in prepared.compiled.deferred]
         else:
             alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
-        self._found_inf_flags += unscale_check_and_measure(unscaled, self._drift if not prepared.path else None, run is not None)
+        unscale_and_measure(unscaled, self._drift if not prepared.path else None, run is not None)
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self._written[id(variable)] = variable
-            if j in deferred and variable.grad is not None:  # checked just now, as it was unscaled
-                self._checked[id(variable)] = (variable.grad, variable.grad._version)
         if prepared.parent is not None:  # an inner graph: its outer backward goes on
             if run is not None:
                 self._plans[prepared.path] = run.plan()

@@ -1,7 +1,8 @@
 """Where a GradScaler loop meets GradientScaler: gradients written outside the scaler's backward,
 ``torch.autograd.grad``, pickling, several outputs, several models.
 
-Each test here failed before the scaler judged gradients by identity and version counter, unscaled
+Each test here failed before the step read every gradient it uses (writes through ``.data`` and numpy
+bump no version counter), unscaled
 captured gradients, pickled without its model and hooks, joined several outputs, and attached
 several models (issue 15).
 """
@@ -97,14 +98,41 @@ def test_unscale_decides_the_step_as_gradscaler_does() -> None:
     assert scaler.step(opt) is True
 
 
-def test_unchanged_gradients_are_not_read_again() -> None:
-    """The common case costs no second pass: the fused check's flags cover the .grad it finished."""
+def _inf_through_data_fill(model: nn.Module) -> None:
+    model[2].weight.grad.data.fill_(float("inf"))
+
+
+def _inf_through_data_index(model: nn.Module) -> None:
+    model[2].weight.grad.data[0, 0] = float("inf")
+
+
+def _inf_through_numpy(model: nn.Module) -> None:
+    model[2].weight.grad.numpy()[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("corrupt", [_inf_through_data_fill, _inf_through_data_index, _inf_through_numpy])
+@pytest.mark.parametrize("with_unscale", [True, False], ids=["unscale_-then-step", "step"])
+@pytest.mark.parametrize("iterations", [1, 3], ids=["update", "replay"])
+def test_a_write_no_version_counter_sees_skips_the_step(corrupt, with_unscale: bool, iterations: int) -> None:
+    """Old code edits gradients through ``.data`` or numpy (weight decay, gradient noise, hand-written
+    clipping): neither bumps ``.grad``'s version counter, and the step still reads what they wrote."""
     model = make_mlp()
-    scaler = GradientScaler(model)
-    scaler.scale(fp16_loss(model)).backward()
-    assert scaler._unverified(model.parameters()) == []
-    model[4].bias.grad.mul_(1.0)  # a version bump is enough to be read again
-    assert [g is model[4].bias.grad for g in scaler._unverified(model.parameters())] == [True]
+    scaler, opt = GradientScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(iterations):  # update_interval=100: the first backward decides the scales, the next replay them
+        opt.zero_grad()
+        scaler.scale(fp16_loss(model, seed=i + 1)).backward()
+        if i < iterations - 1:
+            assert scaler.step(opt) is True
+            scaler.update()
+    assert scaler.update_iterations == 1
+    corrupt(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    if with_unscale:
+        scaler.unscale_(opt)
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scaler.skipped_steps == 1
 
 
 # --- 2. autograd.grad returns true gradients ------------------------------------------------

@@ -37,7 +37,7 @@ from gs_lightning import GradientScaler
 from gs_lightning.scaling.finite import unscale_and_check_
 
 SKIP_ITER = 2  # upstream's skip_iter: the iteration whose step must be skipped
-OVERFLOW_SOURCES = ["written_grad", "backward"]
+OVERFLOW_SOURCES = ["written_grad", "written_through_data", "written_through_numpy", "backward"]
 
 
 def create_scaling_models_optimizers(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
@@ -58,7 +58,9 @@ def create_scaling_case(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
 class Overflow:
     """Makes iteration ``SKIP_ITER``'s gradients non-finite in the scaling loop, when the scaler is enabled.
 
-    ``"written_grad"`` is upstream's way: ``model[1].weight.grad.fill_(inf)`` after the backward.
+    ``"written_grad"`` is upstream's way: ``model[1].weight.grad.fill_(inf)`` after the backward;
+    ``"written_through_data"`` and ``"written_through_numpy"`` write it as old code does, through
+    ``.grad.data`` and ``.grad.numpy()``, which bump no version counter.
     ``"backward"``: the gradient reaching the model's output is made inf, so the backward itself
     produces the non-finite gradients. ``None``: no overflow. It also keeps the scales of every
     backward, for the check that scaling did happen.
@@ -79,9 +81,16 @@ class Overflow:
     def written(self, model: nn.Module, i: int, scaler: GradientScaler) -> None:
         """Call after the backward, where upstream writes its inf."""
         self.scales += scaler.scales().values()
-        if self.source == "written_grad" and self._now(i, scaler):
+        if not self._now(i, scaler):
+            return
+        grad = model[1].weight.grad
+        if self.source == "written_grad":
             with torch.no_grad():
-                model[1].weight.grad.fill_(float("inf"))
+                grad.fill_(float("inf"))
+        elif self.source == "written_through_data":  # no version counter sees these two
+            grad.data.fill_(float("inf"))
+        elif self.source == "written_through_numpy":
+            grad.numpy()[0, 0] = float("inf")
 
 
 def count_steps(optimizer: torch.optim.Optimizer) -> list[None]:

@@ -2,19 +2,26 @@
 
 Trains each (task, method, seed) from the same initial weights on the same batches, for a fixed
 number of steps, under CPU emulation of fp16 (and of fp8 gradients): ``gs_lightning.simulate``.
-Methods:
+Methods, in three settings:
 
 * fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
   scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS;
-* e5m2 gradients (every gradient a backward GEMM produces rounded to float8_e5m2): none, fixed
-  loss scale 4096, dynamic loss scale, per-tensor amax (Transformer Engine's delayed scaling)
-  alone and under a dynamic loss scale, GS with ``dtype=float8_e5m2``; optionally GS with e4m3fn.
+* fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
+  GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
+  dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor
+  scaling (TE's ``Float8CurrentScaling``, torchao), each alone and under a dynamic loss scale, GS;
+  e4m3fn with MX block scaling (MXFP8) alone and under a dynamic loss scale; optionally GS in e4m3fn;
+* fp8 gradients on the hardware path (bf16 between GEMMs, the gradient *entering* each backward
+  GEMM cast to fp8 from its bf16 value, as TE and torchao run fp8 training): e5m2 without scaling,
+  delayed, current, GS; e4m3fn MX block scaling; optionally e5m2 MX and e4m3fn GS.
 
 Per method it reports the test metric (mean ± std over seeds), the training loss over the last
-tenth of the steps, skipped steps, the mean underflow
-of the gradients backward GEMMs produce (fraction of nonzero exact values rounded to zero,
-averaged over tensors and over every step, or every ``--underflow-every``-th), and wall time per run; it
-plots the training-loss curves (mean over seeds) per task.
+tenth of the steps, skipped steps, the mean underflow of the gradients the emulation casts
+(fraction of nonzero exact values rounded to zero, averaged over tensors and over every step, or
+every ``--underflow-every``-th), beside it the per-tensor oracle (the least underflow any
+per-tensor power-of-two scale without overflow gives the same tensors, in the same format: a floor
+for every per-tensor power-of-two method, not for block scales nor for non-power-of-two scales),
+and wall time per run; it plots the training-loss curves (mean over seeds) per task.
 
     python bench/compare_training.py --quick            # every method, tiny, < 3 min
     python bench/compare_training.py --tasks segnet --json segnet.json   # one task's runs
@@ -33,14 +40,14 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from _training_tasks import BUILDERS, TASKS, Task
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.simulate import DelayedScaling, UnderflowMeter, emulate
+from gs_lightning.simulate import CurrentScaling, DelayedScaling, MXBlockScaling, UnderflowMeter, emulate
 from gs_lightning.simulate.methods import (
     DynamicLossScale,
     FixedLossScale,
@@ -49,6 +56,7 @@ from gs_lightning.simulate.methods import (
 )
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
+_FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -57,12 +65,15 @@ class Method:
 
     Attributes:
         key: Command-line name, e.g. ``"e5m2-gs"``.
-        grads: Gradient format column: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"e5m2"``, ``"e4m3fn"``.
+        grads: Gradient format column: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"e5m2"``, ``"e4m3fn"``
+            (GEMM outputs rounded, the fp16 path), ``"bf16 + e5m2 ∇Y"``, ``"bf16 + e4m3fn ∇Y"``
+            (the gradient entering each GEMM cast, the hardware path).
         label: What the table prints.
-        autocast: Autocast dtype (``None``: plain fp32).
-        emulated: Whether fp16 GEMMs run under :class:`~gs_lightning.simulate.emulate`.
-        grad_dtype: Format of the gradients backward GEMMs produce (emulated methods).
+        autocast: Autocast dtype (``None``: plain fp32); also the emulated compute format.
+        emulated: Whether the GEMMs run under :class:`~gs_lightning.simulate.emulate`.
+        grad_dtype: Format of the backward's gradient casts (emulated methods).
         make: ``model -> training method`` (``backward``, ``step``, ``skipped_steps``).
+        grad_rounding: The emulation's ``grad_rounding``: ``"output"`` or ``"entering"``.
     """
 
     key: str
@@ -72,13 +83,18 @@ class Method:
     emulated: bool
     grad_dtype: torch.dtype | None
     make: Callable[[nn.Module], Any]
+    grad_rounding: Literal["output", "entering"] = "output"
 
 
 def _methods() -> dict[str, Method]:
-    f16 = torch.float16
+    f16, b16 = torch.float16, torch.bfloat16
+
+    def entering(key: str, fmt: torch.dtype, label: str, make: Callable[[nn.Module], Any]) -> Method:
+        return Method(key, f"bf16 + {_FORMAT_NAMES[fmt]} ∇Y", label, b16, True, fmt, make, "entering")
+
     rows = [
         Method("fp32", "fp32", "fp32 (reference)", None, False, None, lambda m: NoScaling()),
-        Method("bf16", "bf16", "bf16 (real CPU kernels)", torch.bfloat16, False, None, lambda m: NoScaling()),
+        Method("bf16", "bf16", "bf16 (real CPU kernels)", b16, False, None, lambda m: NoScaling()),
         Method("fp16-none", "fp16", "no scaling", f16, True, None, lambda m: NoScaling()),
         Method("fp16-fixed128", "fp16", "fixed loss scale 128", f16, True, None, lambda m: FixedLossScale(128)),
         Method("fp16-fixed4096", "fp16", "fixed loss scale 4096", f16, True, None, lambda m: FixedLossScale(4096)),
@@ -92,19 +108,35 @@ def _methods() -> dict[str, Method]:
             "e5m2-amax-dynamic", "e5m2", "per-tensor amax + dynamic loss scale", f16, True, E5M2,
             lambda m: DynamicLossScale(grad_scaling=DelayedScaling()),
         ),
+        Method("e5m2-current", "e5m2", "per-tensor current (TE current)", f16, True, E5M2, lambda m: RecipeScaling(CurrentScaling())),
+        Method(
+            "e5m2-current-dynamic", "e5m2", "per-tensor current + dynamic loss scale", f16, True, E5M2,
+            lambda m: DynamicLossScale(grad_scaling=CurrentScaling()),
+        ),
         Method("e5m2-gs", "e5m2", "GS", f16, True, E5M2, lambda m: GradientScaler(m, dtype=E5M2)),
+        Method("e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())),
+        Method(
+            "e4m3-mx-dynamic", "e4m3fn", "MX blocks of 32 + dynamic loss scale", f16, True, E4M3,
+            lambda m: DynamicLossScale(grad_scaling=MXBlockScaling()),
+        ),
         Method("e4m3-gs", "e4m3fn", "GS", f16, True, E4M3, lambda m: GradientScaler(m, dtype=E4M3)),
+        entering("e5m2-in-none", E5M2, "no scaling", lambda m: NoScaling()),
+        entering("e5m2-in-delayed", E5M2, "per-tensor amax (TE delayed)", lambda m: RecipeScaling()),
+        entering("e5m2-in-current", E5M2, "per-tensor current (TE current)", lambda m: RecipeScaling(CurrentScaling())),
+        entering("e5m2-in-gs", E5M2, "GS", lambda m: GradientScaler(m, dtype=E5M2)),
+        entering("e5m2-in-mx", E5M2, "MX blocks of 32", lambda m: RecipeScaling(MXBlockScaling())),
+        entering("e4m3-in-mx", E4M3, "MX blocks of 32 (MXFP8)", lambda m: RecipeScaling(MXBlockScaling())),
+        entering("e4m3-in-gs", E4M3, "GS", lambda m: GradientScaler(m, dtype=E4M3)),
     ]
     return {m.key: m for m in rows}
-
-
 METHODS = _methods()
-DEFAULT_METHODS = tuple(k for k in METHODS if k != "e4m3-gs")
+OPTIONAL_METHODS = ("e4m3-gs", "e5m2-in-mx", "e4m3-in-gs")  # format-for-format checks, run on request
+DEFAULT_METHODS = tuple(k for k in METHODS if k not in OPTIONAL_METHODS)
 
 
 @dataclass
 class Run:
-    """One training run's results."""
+    """One training run's results (the fields after ``update_iterations`` are absent from older files)."""
 
     task: str
     method: str
@@ -112,10 +144,14 @@ class Run:
     metric_name: str
     metric: float
     skipped_steps: int
-    underflow: float | None  # mean over sampled steps of the mean over GEMM gradient tensors
-    seconds: float
+    underflow: float | None  # mean over sampled steps of the mean over the cast gradient tensors
+    seconds: float  # wall time of the training loop (evaluation excluded)
     losses: list[float] = field(repr=False)
     update_iterations: int | None = None  # GS: backwards that decided the scales (the dearer ones)
+    oracle_underflow: float | None = None  # the same mean for the best per-tensor power-of-two scale of each tensor
+    grads: str | None = None  # the method's gradient-format column (Method.grads)
+    label: str | None = None  # the method's name in the table (Method.label)
+    grad_rounding: str | None = None  # emulated: "output" (GEMM outputs cast) or "entering" (∇Y cast); else None
 
 
 def train(
@@ -131,12 +167,15 @@ def train(
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
     trainer = method.make(model)
-    meter = meter if meter is not None else UnderflowMeter()
-    emulation = emulate(torch.float16, method.grad_dtype, grad_scaling=getattr(trainer, "grad_scaling", None)) if method.emulated else None
+    meter = meter if meter is not None else UnderflowMeter(oracle_format=method.grad_dtype or method.autocast)
+    emulation = None
+    if method.emulated:
+        emulation = emulate(method.autocast, method.grad_dtype, grad_scaling=getattr(trainer, "grad_scaling", None),
+                            grad_rounding=method.grad_rounding)
     generator = torch.Generator().manual_seed(seed)
     n = len(task.train[0])
     order = torch.randperm(n, generator=generator)
-    position, losses, underflow = 0, [], []
+    position, losses, underflow, oracle = 0, [], [], []
     start = time.perf_counter()
     for step in range(steps):
         if position + task.batch_size > n:
@@ -156,13 +195,16 @@ def train(
             on_step(step, trainer)
         losses.append(loss.item())
         if sample:
-            fractions = meter.collect()
+            fractions, oracle_fractions = meter.collect_with_oracle()
             underflow.append(statistics.fmean(fractions) if fractions else 0.0)
+            if oracle_fractions:
+                oracle.append(statistics.fmean(oracle_fractions))
     seconds = time.perf_counter() - start
     model.eval()
     metric = task.evaluate(model)
     return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None,
-               seconds, losses, getattr(trainer, "update_iterations", None))
+               seconds, losses, getattr(trainer, "update_iterations", None), statistics.fmean(oracle) if oracle else None,
+               method.grads, method.label, method.grad_rounding if method.emulated else None)
 
 
 def _mean_std(values: list[float]) -> str:
@@ -184,28 +226,38 @@ def table(runs: list[Run]) -> str:
     """The markdown table: one row per (task, method), seeds aggregated."""
     metric_of = {r.task: r.metric_name for r in runs}
     lines = [
-        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GEMM-gradient underflow | GS update iterations | s / run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | gradient underflow "
+        "| per-tensor oracle | GS update iterations | s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task in dict.fromkeys(r.task for r in runs):
         for key in dict.fromkeys(r.method for r in runs if r.task == task):
             rs = [r for r in runs if r.task == task and r.method == key]
             method = METHODS[key]
             under = [r.underflow for r in rs if r.underflow is not None]
+            oracle = [r.oracle_underflow for r in rs if r.oracle_underflow is not None]
             updates = [r.update_iterations for r in rs if r.update_iterations is not None]
             lines.append(
                 f"| {task} | {method.grads} | {method.label} | {metric_of[task]} {_mean_std([r.metric for r in rs])} "
                 f"| {_mean_std([_final_loss(r) for r in rs])} "
                 f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} "
-                f"| {f'{100 * statistics.fmean(under):.2f}%' if under else '—'} "
+                f"| {_percent(under)} | {_percent(oracle)} "
                 f"| {f'{statistics.fmean(updates):.1f}' if updates else '—'} "
                 f"| {statistics.fmean(r.seconds for r in rs):.1f} |"
             )
     return "\n".join(lines)
 
 
+def _percent(values: list[float]) -> str:
+    """Mean of fractions as a percentage, "—" if none; three decimals below 0.1% (the oracle is often there)."""
+    if not values:
+        return "—"
+    mean = 100 * statistics.fmean(values)
+    return f"{mean:.3f}%" if 0 < mean < 0.1 else f"{mean:.2f}%"
+
+
 def plot(runs: list[Run], folder: Path) -> list[Path]:
-    """Training-loss curves (mean over seeds, smoothed), one PNG per task, fp16 and fp8 panels."""
+    """Training-loss curves (mean over seeds, smoothed), one PNG per task: fp16, fp8 on the fp16 path, fp8 ∇Y panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,8 +265,12 @@ def plot(runs: list[Run], folder: Path) -> list[Path]:
 
     written = []
     for task in dict.fromkeys(r.task for r in runs):
-        groups = {"fp16 gradients": ("fp32", "bf16", "fp16"), "fp8 gradients": ("fp32", "e5m2", "e4m3fn")}
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+        groups = {
+            "fp16 gradients": ("fp32", "bf16", "fp16"),
+            "fp8 GEMM outputs (fp16 path)": ("fp32", "e5m2", "e4m3fn"),
+            "fp8 ∇Y (hardware path)": ("fp32", "bf16 + e5m2 ∇Y", "bf16 + e4m3fn ∇Y"),
+        }
+        fig, axes = plt.subplots(1, 3, figsize=(17, 4.2), sharey=True)
         for ax, (title, grads) in zip(axes, groups.items()):
             for key in dict.fromkeys(r.method for r in runs if r.task == task):
                 method = METHODS[key]
@@ -284,7 +340,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
                 run = train(task, method, seed, steps, args.underflow_every)
                 runs.append(run)
                 print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
-                      f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}, "
+                      f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}"
+                      f" (oracle {run.oracle_underflow if run.oracle_underflow is not None else float('nan'):.4f}), "
                       f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
                       f"{run.seconds:.1f} s", flush=True)
                 if args.json is not None:  # after every run, so that an interrupted table keeps what it has

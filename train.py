@@ -8,14 +8,16 @@
 Recipes are recipes/<name>.yaml; the other config groups are in conf/.
 """
 
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from gs_lightning.app import objective, register_recipes, run
+from gs_lightning.app import objective, override_hints, register_recipes, run
 
-register_recipes(Path(__file__).resolve().parent / "recipes")
+HERE = Path(__file__).resolve().parent
+register_recipes(HERE / "recipes")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -25,4 +27,10 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        hints = override_hints(sys.argv[1:], HERE / "conf") if stop.code not in (0, None) else []
+        if hints:  # after Hydra's own message: the keys the user may have meant
+            print(*hints, sep="\n", file=sys.stderr)
+        raise

@@ -8,6 +8,7 @@ the run with one line naming what is wrong and what was expected (:class:`AppErr
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import pickle
@@ -16,15 +17,19 @@ import shutil
 import sys
 import textwrap
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, InstantiationException, OverrideParseException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -58,6 +63,66 @@ def register_recipes(directory: Path) -> list[str]:
     for name in names:
         store.store(group="recipe", name=name, node=OmegaConf.load(directory / f"{name}.yaml"), package="_global_")
     return names
+
+
+def override_hints(arguments: Sequence[str], config_dir: Path) -> list[str]:
+    """For each ``key=value`` of a command line whose key the composed config lacks, a line naming the
+    nearest valid key(s) at that level (``difflib``), or the valid ones when none is near.
+
+    Hydra refuses such an override with "not in struct ... use +", and a ``+`` would add a key
+    that nothing reads. The config is composed with the command line's group choices (the first
+    of a sweep's); ``+``, ``++``, ``~`` and ``hydra.`` overrides are left alone. Empty when every
+    key exists or the command line does not compose for another reason.
+    """
+    parser = OverridesParser.create()
+    overrides = []
+    for argument in arguments:
+        if "=" in argument and not argument.startswith("-"):
+            try:
+                overrides += parser.parse_overrides([argument])
+            except OverrideParseException:
+                continue
+    groups = {path.name for path in config_dir.iterdir() if path.is_dir()} | set(ConfigStore.instance().repo)
+    choices, settings = [], []
+    for override in overrides:
+        if override.is_add() or override.is_force_add() or override.is_delete() or override.package is not None:
+            continue
+        if override.key_or_group in groups:
+            value = next(iter(override.sweep_string_iterator())) if override.is_sweep_override() else override.get_value_element_as_str()
+            choices.append(f"{override.key_or_group}={value}")
+        elif override.key_or_group.split(".")[0] != "hydra":
+            settings.append(override)
+    if not settings:
+        return []
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            config = OmegaConf.to_container(compose(config_name="config", overrides=choices), resolve=False)
+    except HydraException:
+        return []
+    return [hint for override in settings if (hint := _key_hint(override, config))]
+
+
+def _key_hint(override: Override, config: dict[str, Any]) -> str:
+    """'Did you mean ...' for an override whose key is not in ``config`` ('' when it is)."""
+    parts = override.key_or_group.split(".")
+    node = config
+    for depth, part in enumerate(parts):
+        if not isinstance(node, dict):
+            return ""
+        if part in node:
+            node = node[part]
+            continue
+        level = ".".join(parts[:depth])
+        where = level or "the config"
+        keys = [str(key) for key in node]
+        value = override.input_line.split("=", 1)[1]
+        near = difflib.get_close_matches(part, keys, n=3, cutoff=0.6)
+        if not near:
+            return f"{where} has no key {part!r}; its keys: {', '.join(keys)}"
+        rest = ".".join(parts[depth + 1 :])
+        spelled = [".".join(p for p in (level, key, rest) if p) + f"={value}" for key in near]
+        return f"Did you mean {' or '.join(spelled)}? ({where} has no key {part!r}; a leading + would add one that nothing reads)"
+    return ""
 
 
 @dataclass

@@ -21,7 +21,17 @@ from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
 from gs_lightning import GradientScalingPlugin
-from gs_lightning.app import AppError, _say_how_fp16_runs, build, objective, precision_arguments, register_recipes, run, summary
+from gs_lightning.app import (
+    AppError,
+    _say_how_fp16_runs,
+    build,
+    objective,
+    override_hints,
+    precision_arguments,
+    register_recipes,
+    run,
+    summary,
+)
 from gs_lightning.data.synthetic import write_synthetic_camvid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,6 +389,30 @@ def test_corrupt_image_with_workers_is_one_line(tmp_path: Path) -> None:
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not a png")
     message = _error(overrides, tmp_path)
     assert message.startswith(f"error: cannot read image file {bad}: ") and f"(data.root={data};" in message
+
+
+def test_a_mistyped_key_exits_as_hydra_does_and_names_the_nearest_valid_one(tmp_path: Path) -> None:
+    """As a user sees it: Hydra's message and exit status, then the key meant."""
+    result = _train(["trainer.max_epoch=3"], tmp_path, timeout=120)
+    assert result.returncode == 1 and "Could not override 'trainer.max_epoch'" in result.stderr
+    assert result.stderr.rstrip().endswith("Did you mean trainer.max_epochs=3 or trainer.max_steps=3? (trainer has no key 'max_epoch'; a leading + would add one that nothing reads)")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "hint"),
+    [
+        (["trainr.max_epochs=3"], "Did you mean trainer.max_epochs=3? (the config has no key 'trainr';"),
+        (["recipe=ssd300", "model.pretraind=false"], "Did you mean model.pretrained=false? (model has no key 'pretraind';"),
+        (["-m", "precision=dynamic,gs", "precision.growth_intervall=10"], "Did you mean precision.growth_interval=10? (precision has no key"),
+        (["recipe=demo", "callbacks.gradient_scaling.zzz=1"], "callbacks.gradient_scaling has no key 'zzz'; its keys: _target_, log_every_n_steps"),
+    ],
+    ids=["top level", "in the recipe's group", "in a sweep's first choice", "none near"],
+)
+def test_override_hints_at_the_level_of_the_mistyped_part(arguments: list[str], hint: str) -> None:
+    assert [line[: len(hint)] for line in override_hints(arguments, ROOT / "conf")] == [hint]
+    valid = [argument for argument in arguments if "." not in argument] + ["trainer.max_steps=3", "+anything=1", "hydra.run.dir=x"]
+    assert override_hints(valid, ROOT / "conf") == []
 
 
 def test_bad_values_exit_without_traceback(tmp_path: Path) -> None:

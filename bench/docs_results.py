@@ -1,0 +1,563 @@
+"""The documentation's results pages, generated from the benches' JSON (and the README's results table).
+
+Two steps. First record a run: the bench writes its JSON into ``docs/results/data/NAME.json`` and
+this script writes beside it what the pages state about the run (``NAME.run.json``: the command,
+the commit and whether the code had uncommitted changes, the date, the machine, the wall time),
+and keeps the run's console output (``NAME.out.txt``):
+
+    python bench/docs_results.py record overhead --title "ResNet-50, one CPU thread" -- \\
+        python bench/overhead.py --rounds 41 --json docs/results/data/overhead.json
+    python bench/docs_results.py record demo --title "python train.py" -- python train.py
+
+Then write the pages (``docs/results/*.md``, the training curves, and the table between the
+README's ``results`` markers), from every recorded run, with no hand-edited number:
+
+    python bench/docs_results.py            # write
+    python bench/docs_results.py --check    # exit 1 if a page differs from what the data gives
+
+A run's page follows from its command's script: ``bench/compare_training.py`` and
+``bench/ssd_finetune.py`` (training), ``bench/overhead.py`` (overhead), ``bench/update_cost.py``
+(update cost), ``bench/fidelity.py`` (fidelity), ``train.py`` (the demo's printed output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "results"
+DATA = DOCS / "data"
+README = ROOT / "README.md"
+README_START, README_END = "<!-- results:start (bench/docs_results.py writes this table) -->", "<!-- results:end -->"
+CODE_PATHS = ("gs_lightning", "bench", "train.py", "conf", "recipes")  # what a run's numbers depend on
+GENERATOR = "python bench/docs_results.py"
+
+
+# ---------------------------------------------------------------------------------------------- recording
+
+
+def machine() -> str:
+    """CPU model, logical cores, memory, GPU if any, and the load when the run started."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} logical cores"
+    try:
+        kib = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")))
+        text += f", {kib / 2**20:.0f} GiB memory"
+    except (OSError, StopIteration):
+        pass
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False) if _has("nvidia-smi") else None
+    text += f", GPU {gpu.stdout.strip()}" if gpu is not None and gpu.returncode == 0 and gpu.stdout.strip() else ", no GPU"
+    if hasattr(os, "getloadavg"):
+        text += f"; load average {os.getloadavg()[0]:.1f} at the start"
+    return text
+
+
+def _has(program: str) -> bool:
+    return any((Path(folder) / program).exists() for folder in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def record(name: str, title: str, command: list[str]) -> int:
+    """Run ``command`` from the repository root, keep its output, and write ``NAME.run.json``."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+        raise SystemExit(f"error: run name {name!r}: expected lowercase letters, digits, '-' and '_'")
+    if not command:
+        raise SystemExit("error: record needs the command to run after '--'")
+    DATA.mkdir(parents=True, exist_ok=True)
+    provenance = {
+        "title": title,
+        "command": shlex.join(command),
+        "commit": _git("rev-parse", "--short=12", "HEAD").strip(),
+        "uncommitted": _git("status", "--porcelain", "--", *CODE_PATHS).splitlines(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "python": platform.python_version(),
+    }
+    start = time.perf_counter()
+    with open(DATA / f"{name}.out.txt", "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            out.write(line)
+        returncode = process.wait()
+    provenance["seconds"] = round(time.perf_counter() - start, 1)
+    provenance["returncode"] = returncode
+    if returncode != 0:
+        print(f"error: the command exited with {returncode}; {name}.run.json not written", file=sys.stderr)
+        return returncode
+    (DATA / f"{name}.run.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    print(f"recorded {DATA / name}.run.json ({provenance['seconds']:.0f} s); now: {GENERATOR}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One recorded run: its name, provenance, the bench's JSON (``None`` for the demo) and output."""
+
+    name: str
+    provenance: dict[str, Any]
+    data: Any
+    output: str
+
+    @property
+    def script(self) -> str:
+        words = shlex.split(self.provenance["command"])
+        return next((Path(w).name for w in words if w.endswith(".py")), "")
+
+    def provenance_lines(self) -> list[str]:
+        p = self.provenance
+        code = f"commit `{p['commit']}`"
+        if p["uncommitted"]:
+            code += " with uncommitted changes in " + ", ".join(f"`{line[3:]}`" for line in p["uncommitted"])
+        return [
+            "```bash",
+            p["command"],
+            "```",
+            "",
+            f"Measured here: {code}, {p['date']}, {p['seconds']:.0f} s wall clock; machine: {p['machine']}; "
+            f"Python {p['python']}.",
+            "",
+        ]
+
+
+def load_runs(data: Path = DATA) -> list[Recorded]:
+    """Every recorded run under ``data``, in name order."""
+    runs = []
+    for path in sorted(data.glob("*.run.json")):
+        name = path.name.removesuffix(".run.json")
+        bench_json, output = data / f"{name}.json", data / f"{name}.out.txt"
+        runs.append(Recorded(
+            name, json.loads(path.read_text()),
+            json.loads(bench_json.read_text()) if bench_json.exists() else None,
+            output.read_text() if output.exists() else "",
+        ))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+
+def number(value: Any, key: str = "") -> str:
+    """A cell, formatted by what its column holds (``key``): underflow in percent, times and counts
+    with one decimal, ratios with two, anything else with 3 significant digits."""
+    if value is None or value == "":
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if "underflow" in key:
+            return f"{100 * value:.3f}%" if value < 0.01 else f"{100 * value:.2f}%"
+        if re.search(r"\b(ms|s / run|seconds|skipped|iterations|steps)\b", key):
+            return f"{value:+.1f}" if key.startswith("added") else f"{value:.1f}"
+        if re.search(r"\bratio\b| / ", key):
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(number(v) for v in value)
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> list[str]:
+    """A Markdown table of ``rows`` (dicts), one column per key in first-seen order."""
+    columns = columns or list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(number(row.get(c), c) for c in columns) + " |" for row in rows]
+    return lines + [""]
+
+
+def settings_line(settings: dict[str, Any]) -> list[str]:
+    return ["Settings: " + "; ".join(f"{k} {number(v)}" for k, v in settings.items() if v is not None) + ".", ""]
+
+
+# ---------------------------------------------------------------------------------------------- training runs
+
+
+def _training_methods(script: str) -> dict[str, Any]:
+    """The bench's method table (labels and gradient formats), imported from the bench itself."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    if script == "ssd_finetune.py":
+        from ssd_finetune import ALL_METHODS
+
+        return ALL_METHODS
+    from compare_training import METHODS
+
+    return METHODS
+
+
+IDENTITY = ("task", "method", "seed", "metric_name")
+
+
+def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (task, method), seeds aggregated field by field.
+
+    The metric and the final training loss are ``mean ± std``; every other number is the mean over
+    seeds (``None`` where no seed has one); lists other than ``losses`` and strings are left out, and
+    a field the bench adds later becomes a column of its own.
+    """
+    rows = []
+    for task in dict.fromkeys(r["task"] for r in runs):
+        for key in dict.fromkeys(r["method"] for r in runs if r["task"] == task):
+            group = [r for r in runs if r["task"] == task and r["method"] == key]
+            method = methods.get(key)
+            row: dict[str, Any] = {
+                "task": task,
+                "gradients": method.grads if method else "",
+                "method": method.label if method else key,
+                "seeds": len(group),
+                f"{group[0]['metric_name']} (mean ± std)": _mean_std([r["metric"] for r in group]),
+                "final train loss": _mean_std([_final_loss(r["losses"]) for r in group]),
+            }
+            for field in dict.fromkeys(k for r in group for k in r):
+                if field in IDENTITY or field in ("metric", "losses"):
+                    continue
+                values = [_flatten(field, r.get(field)) for r in group]
+                for sub in dict.fromkeys(k for v in values for k in v):
+                    numbers = [v[sub] for v in values if isinstance(v.get(sub), (int, float)) and not isinstance(v.get(sub), bool)]
+                    if numbers:
+                        row[sub] = statistics.fmean(numbers)
+                    elif all(v.get(sub) is None for v in values):
+                        row[sub] = None
+            rows.append(row)
+    return rows
+
+
+def _flatten(field: str, value: Any) -> dict[str, Any]:
+    """A field as named scalars: a dict's numbers become ``field: key`` (e.g. per-group underflow)."""
+    if isinstance(value, dict):
+        return {f"{field}: {k}": v for k, v in value.items() if v is None or isinstance(v, (int, float))}
+    if isinstance(value, (list, str)):
+        return {}
+    return {field: value}
+
+
+def _final_loss(losses: list[float]) -> float:
+    """Mean training loss over the last tenth of the steps (as the bench prints it)."""
+    tail = losses[-max(1, len(losses) // 10) :]
+    return statistics.fmean(tail) if tail else math.nan
+
+
+def _mean_std(values: list[float]) -> str:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return "nan"
+    std = statistics.stdev(finite) if len(finite) > 1 else 0.0
+    missing = len(values) - len(finite)
+    return f"{statistics.fmean(finite):.3f} ± {std:.3f}" + (f" ({missing} not finite)" if missing else "")
+
+
+def _columns_named(row: dict[str, Any]) -> dict[str, str]:
+    """Column titles readers know: the bench's field names made readable."""
+    names = {"skipped_steps": "skipped steps", "underflow": "GEMM-gradient underflow", "seconds": "s / run",
+             "update_iterations": "GS update iterations"}
+    return {k: names.get(k, k.replace("_", " ")) for k in row}
+
+
+def training_section(run: Recorded) -> list[str]:
+    methods = _training_methods(run.script)
+    rows = aggregate(run.data, methods)
+    titled = [{_columns_named(row)[k]: v for k, v in row.items()} for row in rows]
+    steps = {len(r["losses"]) for r in run.data}
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines()]
+    lines += [f"{len(run.data)} runs of {', '.join(map(str, sorted(steps)))} steps. "
+              "Metric and final train loss: mean ± std over the seeds; every other column: the mean over the seeds.", ""]
+    lines += markdown_table(titled)
+    return lines
+
+
+def training_plots(run: Recorded, folder: Path) -> list[Path]:
+    """The bench's own loss-curve plots of this run (compare_training only)."""
+    if run.script != "compare_training.py":
+        return []
+    sys.path.insert(0, str(ROOT / "bench"))
+    from compare_training import Run, plot
+
+    fields = set(Run.__dataclass_fields__)
+    runs = [Run(**{k: v for k, v in r.items() if k in fields}) for r in run.data]
+    folder.mkdir(parents=True, exist_ok=True)
+    written = plot(runs, folder)
+    renamed = []
+    for path in written:
+        target = path.with_name(f"{run.name}-{path.name}")
+        path.replace(target)
+        renamed.append(target)
+    return renamed
+
+
+# ---------------------------------------------------------------------------------------------- the other benches
+
+
+def overhead_section(run: Recorded) -> list[str]:
+    data = run.data
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
+    lines += markdown_table(data["rows"])
+    rows = {row["method"]: row for row in data["rows"]}
+    timed = next(k for k in data["rows"][0] if k.endswith(" ms"))
+    if "GS between updates" in rows and "GradScaler" in rows:
+        gs, amp = rows["GS between updates"], rows["GradScaler"]
+        lines += [f"GS between updates against GradScaler: {gs[timed] - amp[timed]:+.1f} ms, "
+                  f"{gs[timed] / amp[timed]:.3f}×, {gs['aten ops (backward)'] - amp['aten ops (backward)']:+d} aten ops.", ""]
+    if data.get("host breakdown"):
+        lines += ["Host-side work of GS between updates (no kernels):", ""]
+        lines += [f"- {k}: {number(v)}" for k, v in data["host breakdown"].items()] + [""]
+    return lines
+
+
+def update_cost_rows(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per model and per family, as the bench prints them."""
+    models, families = [], {}
+    for r in data["rows"]:
+        row: dict[str, Any] = {"family": r["family"], "model": r["name"]}
+        if r["error"]:
+            row["exact (update, replay)"] = f"failed: {r['error']}"
+            models.append(row)
+            continue
+        times = r["times"]
+        row.update({f"{m} ms": times[m] for m in times})
+        row.update({f"{m} / plain": times[m] / times["plain"] for m in times if m != "plain"})
+        row["decisions"] = r["decisions"]
+        exact = "yes" if r["exact_update"] and r["exact_replay"] else f"no (update {number(r['exact_update'])}, replay {number(r['exact_replay'])})"
+        row["exact (update, replay)"] = exact + (f", {r['nondeterministic']} nondeterministic in plain backward" if r["nondeterministic"] else "")
+        models.append(row)
+    for family in dict.fromkeys(r["family"] for r in data["rows"]):
+        ok = [m for m in models if m["family"] == family and "decisions" in m]
+        every = [m for m in models if m["family"] == family]
+        families[family] = {
+            "family": family, "models": len(every),
+            "median update / plain": statistics.median(m["update / plain"] for m in ok) if ok else None,
+            "median replay / plain": statistics.median(m["replay / plain"] for m in ok) if ok else None,
+            "bit-exact": f"{sum(m['exact (update, replay)'] == 'yes' or m['exact (update, replay)'].startswith('yes,') for m in ok)} of {len(ok)}",
+            "failed": len(every) - len(ok),
+        }
+    return models, list(families.values())
+
+
+def update_cost_section(run: Recorded) -> list[str]:
+    models, families = update_cost_rows(run.data)
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(run.data["settings"])]
+    lines += ["Per family (update / plain: an update iteration's backward against a plain backward):", ""]
+    lines += markdown_table(families) + ["Per model:", ""] + markdown_table(models)
+    return lines
+
+
+def fidelity_section(run: Recorded) -> list[str]:
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(run.data["settings"])]
+    return lines + markdown_table(run.data["rows"])
+
+
+def demo_output(run: Recorded) -> str:
+    """The demo's console from its final metrics on, with this machine's paths made generic."""
+    text = run.output
+    start = text.find("Final metrics:")
+    text = text[start:] if start >= 0 else text
+    text = text.replace(str(ROOT), "<repo>").replace(str(Path.home()), "~")
+    text = re.sub(r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}", "<date>", text)
+    return text.rstrip() + "\n"
+
+
+def demo_section(run: Recorded) -> list[str]:
+    return [f"## {run.provenance['title']}", "", *run.provenance_lines(),
+            "What it prints at the end:", "", "```text", *demo_output(run).splitlines(), "```", ""]
+
+
+SECTIONS: dict[str, Callable[[Recorded], list[str]]] = {
+    "compare_training.py": training_section,
+    "ssd_finetune.py": training_section,
+    "overhead.py": overhead_section,
+    "update_cost.py": update_cost_section,
+    "fidelity.py": fidelity_section,
+    "train.py": demo_section,
+}
+
+
+@dataclass(frozen=True)
+class Page:
+    file: str
+    title: str
+    scripts: tuple[str, ...]
+    intro: str
+
+
+PAGES = (
+    Page("training.md", "Training beside every baseline", ("compare_training.py", "ssd_finetune.py"),
+         "Small versions of the paper's three experiments (SegNet on generated CamVid-format scenes, ResNet-8 on "
+         "generated images, SSD300 on generated VOC-format boxes), trained under CPU emulation of fp16 "
+         "(`gs_lightning.simulate.emulate`), each method from the same initial weights on the same batches. "
+         "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
+         "produces rounded to that fp8 format. *GEMM-gradient underflow*: of each gradient a backward GEMM "
+         "produces, the fraction of its nonzero exact values that rounding made zero, averaged over tensors and "
+         "steps. *GS update iterations*: backwards that decided the scales (the others replayed them). "
+         "Times are wall clock on the machine named, which may have been shared. Generated datasets and short "
+         "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
+         "runs measure."),
+    Page("overhead.md", "Overhead on the backward pass", ("overhead.py",),
+         "`bench/overhead.py` times one backward (and the step's finiteness check) per method, methods "
+         "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
+         "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
+         "operations each dispatches (on a GPU, each is a kernel launch)."),
+    Page("update-cost.md", "Update iterations on a model zoo", ("update_cost.py",),
+         "`bench/update_cost.py` builds third-party models from their configs (torchvision classifiers, timm, "
+         "Hugging Face transformers, packed RNNs; timm and transformers when installed), times a plain backward, "
+         "a GS update iteration and a GS replay in fp32, and checks that every `.grad` equals plain backward's "
+         "bit for bit after both (*exact*)."),
+    Page("fidelity.md", "Gradient fidelity against fp32", ("fidelity.py",),
+         "`bench/fidelity.py` measures, on the same weights and batch, the relative error of all parameter "
+         "gradients against fp32 and the fraction of nonzero fp32 activation gradients that underflow to zero: "
+         "no scaling, the best fixed loss scale (an oracle found by sweeping 2^0..2^24), GradScaler's steady "
+         "state, and GS with the paper's λmin and with this package's default. GS is measured on an update "
+         "iteration."),
+    Page("demo.md", "The demo", ("train.py",),
+         "`python train.py` trains SegNet-basic on a generated CamVid-format dataset with gradient scaling "
+         "(fp16 emulated on a CPU, real fp16 on a GPU) and prints its final metrics, the per-layer scale table "
+         "and where it wrote its files."),
+)
+
+
+# ---------------------------------------------------------------------------------------------- headline table
+
+
+def headline(runs: list[Recorded]) -> list[str]:
+    """The README's one table: the main numbers of each results page, with the page they come from."""
+    rows: list[tuple[str, str, str]] = []
+    for run in runs:
+        if run.script == "compare_training.py":
+            aggregated = aggregate(run.data, _training_methods(run.script))
+            for task, grads in dict.fromkeys((r["task"], r["gradients"]) for r in aggregated):
+                cells = [f"{r['method']}: {r['skipped_steps']:.1f} skipped steps, {number(r['underflow'], 'underflow')} underflow"
+                         for r in aggregated if (r["task"], r["gradients"]) == (task, grads)
+                         and r["method"] in ("GS", "dynamic loss scale") and r["underflow"] is not None]
+                if cells:
+                    rows.append((f"{task}, {grads} gradients: skipped steps, GEMM-gradient underflow ({run.provenance['title']})",
+                                 "; ".join(reversed(cells)), "training.md"))
+        elif run.script == "overhead.py":
+            settings, timed = run.data["settings"], next(k for k in run.data["rows"][0] if k.endswith(" ms"))
+            what = f"{settings['arch']} {timed.removesuffix(' ms')} on {settings['device']}" + (", torch.compile" if settings.get("torch.compile backend") else "")
+            rows.append((f"{what}: time against a plain backward",
+                         "; ".join(f"{r['method']} {r['ratio vs plain']:.2f}×" for r in run.data["rows"][1:]), "overhead.md"))
+        elif run.script == "update_cost.py":
+            _, families = update_cost_rows(run.data)
+            rows.append((f"GS update iteration against a plain backward, model zoo ({run.provenance['title']}), median per family",
+                         "; ".join(f"{f['family']} {f['median update / plain']:.2f}×" for f in families if f["median update / plain"] is not None),
+                         "update-cost.md"))
+        elif run.script == "fidelity.py":
+            rows.append(("GS gradient error against fp32, ÷ the best fixed loss scale's",
+                         "; ".join(f"{r['model']} {r['GS error / best fixed']:.2f}×" for r in run.data["rows"]
+                                   if r["GS error / best fixed"] is not None and "default" in r["method"]), "fidelity.md"))
+    return [
+        "| measured here | result | from |",
+        "|---|---|---|",
+        *[f"| {what} | {result} | [{PAGE_TITLES[page]}](docs/results/{page}) |" for what, result, page in rows],
+    ]
+
+
+PAGE_TITLES = {page.file: page.title for page in PAGES}
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
+    """Every generated file's text, by path (``plots``: also draw the training curves there)."""
+    header = f"<!-- Generated by `{GENERATOR}` from docs/results/data/; do not edit. -->"
+    files: dict[Path, str] = {}
+    index = [header, "", "# Results", "",
+             "Every number on these pages is measured here, by a run of this repository's code whose command, "
+             "commit, date and machine head its section. The pages are generated from the runs' JSON by "
+             f"`{GENERATOR}`; to add or renew a run, see that script's docstring.", "",
+             "| page | runs |", "|---|---|"]
+    for page in PAGES:
+        selected = [run for run in runs if run.script in page.scripts]
+        if not selected:
+            continue
+        lines = [header, "", f"# {page.title}", "", page.intro, ""]
+        for run in selected:
+            lines += SECTIONS[run.script](run)
+            if run.script == "compare_training.py":
+                if plots is not None:
+                    training_plots(run, plots)
+                lines += [f"![Training loss, {path}]({path})" for path in _existing_plots(run)] + [""]
+        files[DOCS / page.file] = "\n".join(lines).rstrip() + "\n"
+        index.append(f"| [{page.title}]({page.file}) | " + "; ".join(run.provenance["title"] for run in selected) + " |")
+    index += ["", "## At a glance", "", *[line.replace("(docs/results/", "(") for line in headline(runs)], ""]
+    files[DOCS / "index.md"] = "\n".join(index)
+    demo = [run for run in runs if run.script == "train.py"]
+    if demo:
+        files[DOCS / "demo-output.txt"] = demo_output(demo[-1])
+    return files
+
+
+def _existing_plots(run: Recorded) -> list[str]:
+    return sorted(p.relative_to(DOCS).as_posix() for p in (DOCS / "plots").glob(f"{run.name}-compare_training_*.png"))
+
+
+def readme_with_table(readme: str, table: list[str]) -> str:
+    if README_START not in readme or README_END not in readme:
+        raise SystemExit(f"error: README.md has no {README_START!r} ... {README_END!r} block for the results table")
+    before, rest = readme.split(README_START, 1)
+    _, after = rest.split(README_END, 1)
+    return before + README_START + "\n" + "\n".join(table) + "\n" + README_END + after
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "record":
+        parser = argparse.ArgumentParser(prog="docs_results.py record", description="run a bench and record where its numbers come from")
+        parser.add_argument("name", help="the run's name: its files are docs/results/data/NAME.*")
+        parser.add_argument("--title", required=True, help="the section's title on its results page")
+        split = argv.index("--") if "--" in argv else len(argv)
+        args = parser.parse_args(argv[1:split])
+        return record(args.name, args.title, argv[split + 1 :])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated page is out of date")
+    args = parser.parse_args(argv)
+    runs = load_runs()
+    if not runs:
+        raise SystemExit(f"error: no recorded run under {DATA}; record one first (see {GENERATOR} --help)")
+    plots = None if args.check else DOCS / "plots"
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+    files = pages(runs, plots)
+    files[README] = readme_with_table(README.read_text(), headline(runs))
+    stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"out of date: {path.relative_to(ROOT)} (run {GENERATOR})", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in files.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -135,6 +135,25 @@ def test_injected_infs_skip_the_same_steps_as_gradscaler(inject: str, install: s
     assert runs["gs"].lrs[2] == runs["gs"].lrs[1] and runs["gs"].lrs[3] < runs["gs"].lrs[2]
 
 
+def test_replaces_the_gradscaler_prepare_gave_the_optimizer() -> None:
+    """On a GPU, Accelerate makes a GradScaler and ``prepare`` hands it to each optimizer; installed after, the
+    GradientScaler must replace it there too (setting ``accelerator.scaler`` alone fails at the next step with
+    ``Attempted step but _scale is None``). Here a GradScaler installed before ``prepare`` stands in for Accelerate's."""
+    model = make_model()
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    install_gradient_scaler(accelerator, torch.amp.GradScaler("cpu"))
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = install_gradient_scaler(accelerator, GradientScaler(model))
+    assert optimizer.scaler is scaler is accelerator.scaler
+    x, y = DATA.tensors[0][:4], DATA.tensors[1][:4]
+    for loss_factor, skipped in ((1.0, False), (float("inf"), True), (1.0, False)):
+        accelerator.backward(F.cross_entropy(model(x), y) * loss_factor)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert optimizer.step_was_skipped is skipped
+    assert (scaler.iteration, scaler.skipped_steps) == (3, 1)
+
+
 def test_clip_norms_equal_gradscaler_and_no_step_skipped() -> None:
     gs, ref = train("gs", batches=10), train("ref", batches=10)
     assert gs.skipped == ref.skipped == [False] * 10

@@ -161,7 +161,7 @@ def _overflow_section(run: ScalingRun, top: int) -> list[str]:
         f"- {layer.name} ({layer.kind}): β = 2^{layer.log2_scale}, accumulated 2^{layer.log2_total}, "
         f"estimated underflow {layer.underflow_rate:.2g}"
         for layer in run.layers[0]
-        if layer.underflow_rate > run.scaler.underflow_rate
+        if layer.underflow_rate > run.scaler.recipe.underflow_rate
     ] or ["- none"]
     return lines + [""]
 

@@ -9,7 +9,7 @@ Lightning. Fabric's plugins, of the same names, are in :mod:`gs_lightning.fabric
 from importlib import import_module
 from typing import Any
 
-from gs_lightning.scaling import GradientScaler, LayerScale
+from gs_lightning.scaling import GradientScaler, LayerScale, ScalingRecipe
 
 __all__ = [
     "DynamicLossScalingPlugin",
@@ -20,10 +20,11 @@ __all__ = [
     "GradientScalingPlugin",
     "LayerScale",
     "LossScalingPlugin",
+    "ScalingRecipe",
     "SkipAwareScheduler",
 ]
-# Everything but the core's two names comes from gs_lightning.lightning, on first use.
-_LIGHTNING_NAMES = tuple(name for name in __all__ if name not in ("GradientScaler", "LayerScale"))
+# Everything but the core's names comes from gs_lightning.lightning, on first use.
+_LIGHTNING_NAMES = tuple(name for name in __all__ if name not in ("GradientScaler", "LayerScale", "ScalingRecipe"))
 
 
 def __getattr__(name: str) -> Any:

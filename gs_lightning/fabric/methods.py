@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from gs_lightning.scaling import GradientScaler
 from gs_lightning.scaling.finite import unscale_and_check_
+from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 
 
 class Scaler(Protocol):
@@ -173,47 +174,29 @@ class GradientScaling(_ScalingMethod):
     model's modules: ``plugin.scaler.scales()`` for logging.
 
     Args:
-        underflow_rate: γ', the target fraction of a gradient's elements that may underflow.
-        update_interval: Recompute the scales every this many backward passes.
-        lambda_min: ``"normal"`` or ``"subnormal"``: the λmin of the underflow model.
-        relu_factor: Multiplies the accumulation length in the model of a GEMM output.
-        max_layer_scale: Optional cap on each local scale.
-        max_total_scale: Optional cap on each accumulated scale.
+        recipe: The scaling recipe (:class:`~gs_lightning.scaling.recipe.ScalingRecipe`), or a
+            preset's name (``"default"``, ``"paper"``); ``None``: the default.
         max_consecutive_skips: Stop with an error naming the first non-finite layer once more than
             this many steps in a row were skipped (a diverged run); ``None`` never stops.
-        recompute_weight_gradients: Recompute a weight gradient that overflows between updates
-            instead of skipping the step, at the memory of the kept incoming gradients (see
-            :class:`GradientScaler`).
         device: Autocast device type; ``None`` follows the model.
         emulate: Emulated fp16 (see :class:`_ScalingMethod`).
         grad_dtype: With ``emulate``, the gradients' format; the scales protect its range.
+        **recipe_fields: Recipe fields to change (``update_interval=50``), validated with the
+            recipe when the plugin is made.
     """
 
     def __init__(
         self,
-        underflow_rate: float = 1e-3,
-        update_interval: int = 100,
-        lambda_min: Literal["normal", "subnormal"] = "normal",
-        relu_factor: float = 1.0,
-        max_layer_scale: float | None = None,
-        max_total_scale: float | None = None,
+        recipe: ScalingRecipe | str | None = None,
         max_consecutive_skips: int | None = 100,
-        recompute_weight_gradients: bool = True,
         device: str | None = None,
-        emulate: bool = False,
+        emulate: bool | Literal["auto"] = False,
         grad_dtype: str | torch.dtype | None = None,
+        **recipe_fields: Any,
     ) -> None:
-        self._options = {
-            "underflow_rate": underflow_rate,
-            "update_interval": update_interval,
-            "lambda_min": lambda_min,
-            "relu_factor": relu_factor,
-            "max_layer_scale": max_layer_scale,
-            "max_total_scale": max_total_scale,
-            "max_consecutive_skips": max_consecutive_skips,
-            "recompute_weight_gradients": recompute_weight_gradients,
-        }
-        GradientScaler(**self._options)  # bad options fail here; the kept scaler needs the model's layer names
+        self.recipe = resolve_recipe(recipe, **recipe_fields)
+        self._max_consecutive_skips = max_consecutive_skips
+        GradientScaler(recipe=self.recipe, max_consecutive_skips=max_consecutive_skips)  # bad options fail here, not at fit
         super().__init__(device, emulate, grad_dtype)
 
     @property
@@ -222,7 +205,7 @@ class GradientScaling(_ScalingMethod):
         return super().scaler  # type: ignore[misc]
 
     def _build_scaler(self, module: nn.Module, device: str) -> GradientScaler:
-        return GradientScaler(module, dtype=self.grad_dtype, **self._options)
+        return GradientScaler(module, self.recipe, dtype=self.grad_dtype, max_consecutive_skips=self._max_consecutive_skips)
 
     def _attach_module(self, module: nn.Module) -> None:
         """Its layers get names, and a skipped step restores its buffers too."""

@@ -10,7 +10,7 @@ synchronisation ``step()`` already makes for its found-inf flag.
   roughly doubles: :class:`GradientDrift` asks for an update on the next backward, so
   ``update_interval`` is the longest interval, not a fixed period. Shrink, not one small batch: the
   group's largest value is judged by the larger of this batch's and the group's level (the median
-  of its last :data:`LEVEL_STEPS` steps), as the update's reference is by the smaller; a fall that
+  of its last :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.level_steps` steps), as the update's reference is by the smaller; a fall that
   lasts asks for an update within about half that many steps (ResNet-8: 43-53 updates in 200 steps
   became 21-30, README "How it works"). A weight gradient that is all
   zeros at an update gives its layers nothing to decide on; such gradients are common at
@@ -51,22 +51,15 @@ import torch
 from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import GraphAnalysis, Slot
 from gs_lightning.scaling.plan import ScalePlan
+from gs_lightning.scaling.recipe import ScalingRecipe
 
 Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, node by node
 
-# Tolerated shrinkage of a scale group's largest gradient below the update that chose its scale,
-# in binades (see the module docstring; README "How it works" has the measurement).
-DRIFT_TOLERANCE_LOG2 = 1.0
 # The expected maxima go through log2 and exp2 in float64: a gradient whose largest value equals them
 # (the same batch again with the weights unchanged; an fp8 gradient, whose largest value is one of few
 # numbers) reads up to a few 1e-16 binades above. Not a surprise: ResNet-8 e5m2, seed 0, updated on
 # step 27 for one.
 ROUNDING_LOG2 = 1e-9
-# The level a weight gradient's largest value is judged against: the median of its last this many
-# steps (GradientDrift.expect).
-LEVEL_STEPS = 8
-# Bits an overflow takes off the accumulated scale of the layers it came from.
-BACKOFF_BITS = 2
 
 
 @dataclass
@@ -86,6 +79,8 @@ class DriftReading:
             when every one stayed below; -inf on update iterations and where nothing was expected.
         surprised: Leaf index -> the largest value of each gradient that rose above what was
             expected of it (beyond :data:`ROUNDING_LOG2`).
+        tolerance_log2: The shrink that asks for an update
+            (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.drift_tolerance_log2`); ``None``: none does.
     """
 
     drift_log2: float = math.nan
@@ -93,6 +88,7 @@ class DriftReading:
     measured: frozenset[int] = frozenset()
     surprise_log2: float = -math.inf
     surprised: Mapping[int, float] = field(default_factory=dict)
+    tolerance_log2: float | None = ScalingRecipe.drift_tolerance_log2
 
     @property
     def some_overflowed(self) -> bool:
@@ -101,8 +97,8 @@ class DriftReading:
 
     @property
     def shrank(self) -> bool:
-        """Whether a scale group shrank by :data:`DRIFT_TOLERANCE_LOG2` or more (or turned all zeros, or non-finite)."""
-        return self.drift_log2 >= DRIFT_TOLERANCE_LOG2
+        """Whether a scale group shrank by :attr:`tolerance_log2` or more (or turned all zeros, or non-finite)."""
+        return self.tolerance_log2 is not None and self.drift_log2 >= self.tolerance_log2
 
     @property
     def drifted(self) -> bool:
@@ -125,11 +121,15 @@ class GradientDrift:
         recent: For each of the last ``window`` steps, leaf index -> largest magnitude of its
             (unscaled) gradient; where it overflowed, λmax over the scale it carried, the least it was.
         lambda_max: λmax of the gradients' format.
+        tolerance_log2: The shrink that asks for an update (``None``: none does).
+        level_steps: How many steps a level is the median of.
         last: The reading of the last step.
     """
 
     window: int = 100
     lambda_max: float = math.inf
+    tolerance_log2: float | None = ScalingRecipe.drift_tolerance_log2
+    level_steps: int = ScalingRecipe.level_steps
     reference: dict[int, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     zero_at_update: frozenset[int] = frozenset()
     expected: dict[int, float] = field(default_factory=dict)
@@ -183,12 +183,12 @@ class GradientDrift:
         self._pending.clear()
         self._update = False
         measured_leaves = frozenset(j for leaves, _ in measured.values() for j in leaves)
-        self.last = DriftReading(drift, frozenset(non_finite), measured_leaves, surprise, surprised)
+        self.last = DriftReading(drift, frozenset(non_finite), measured_leaves, surprise, surprised, self.tolerance_log2)
         return self.last
 
     def _group_level(self, leaves: tuple[int, ...], largest: float) -> float:
         """What a scale group's largest gradient at an update is compared with later: its value then, or its
-        level (the median of the last :data:`LEVEL_STEPS` steps' values) where that is lower.
+        level (the median of the last :attr:`level_steps` steps' values) where that is lower.
 
         A group's largest value varies from batch to batch by more than a binade; against an update made
         on a batch above its level, ordinary batches read as drift (ResNet-8, fp16: 44 of 63 updates in
@@ -225,9 +225,9 @@ class GradientDrift:
         return max(largest, self._level(leaves, largest))
 
     def _level(self, leaves: tuple[int, ...], largest: float) -> float:
-        """The median of a scale group's largest values over the last :data:`LEVEL_STEPS` steps, this one's (``largest``) included."""
+        """The median of a scale group's largest values over the last :attr:`level_steps` steps, this one's (``largest``) included."""
         # step.get(leaf, 0.0) by map, twice as fast as a generator: this runs for every group on every step
-        steps = [max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in self.recent[-(LEVEL_STEPS - 1) :]]
+        steps = [max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in self.recent[-(self.level_steps - 1) :]]
         return statistics.median_low([*steps, largest])
 
     def keep_overflows_of(self, leaves: set[int] | frozenset[int]) -> None:
@@ -262,9 +262,9 @@ class GradientDrift:
         leaf index -> its level now, without the spikes; the first is kept (:attr:`expected`), so that a
         batch above it asks for the next update.
 
-        The level is the median of its last :data:`LEVEL_STEPS` log2 maxima; the expected maximum adds
+        The level is the median of its last :attr:`level_steps` log2 maxima; the expected maximum adds
         the largest spike in the window (how far one step's value rose above the median of the
-        :data:`LEVEL_STEPS` before it). A level, not the window's maximum, so that gradients shrinking
+        :attr:`level_steps` before it). A level, not the window's maximum, so that gradients shrinking
         as training starts (SSD300's weight gradients by 2^10 in 64 steps) do not hold the scales down;
         the spikes, so that a converged task's occasional hard batch (ResNet-8's, up to 2^10 above the
         median) is expected. The levels alone bound the GEMMs whose weight gradients are recomputed when
@@ -280,9 +280,9 @@ class GradientDrift:
         # NaN where a gradient was all zeros or not computed; a tensor from a list is 2x slower than from an array
         log2 = array("d", [math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent for leaf in leaves])
         x = torch.frombuffer(log2, dtype=torch.float64).view(len(self.recent), len(leaves)).T
-        # levels[:, t]: the median of the (up to) LEVEL_STEPS steps before step t; the last, of the last ones
-        padded = torch.cat([torch.full((len(leaves), LEVEL_STEPS), math.nan, dtype=torch.float64), x], dim=1)
-        levels = padded.unfold(1, LEVEL_STEPS, 1).contiguous().nanmedian(dim=-1).values  # 2x faster than on the strided view
+        # levels[:, t]: the median of the (up to) level_steps steps before step t; the last, of the last ones
+        padded = torch.cat([torch.full((len(leaves), self.level_steps), math.nan, dtype=torch.float64), x], dim=1)
+        levels = padded.unfold(1, self.level_steps, 1).contiguous().nanmedian(dim=-1).values  # 2x faster than on the strided view
         spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
         expected, level = (torch.exp2(log2_maxima).tolist() for log2_maxima in (levels[:, -1] + spikes, levels[:, -1]))
         self.expected = {leaf: v for leaf, v in zip(leaves, expected) if math.isfinite(v)}
@@ -411,14 +411,15 @@ class LayerBackoff:
         self.caps = {int(i): (int(cap), int(since)) for i, cap, since in state}
 
 
-def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int]) -> dict[int, int]:
+def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int], bits: int = ScalingRecipe.backoff_bits) -> dict[int, int]:
     """Node -> log2 cap that lowers the layers an overflow between updates came from, and no other.
 
     A non-finite weight gradient at a GEMM came from that GEMM (its weight gradient overflowed) or
     from above it (the gradient it received was already non-finite). Of the GEMMs (or other nodes)
     whose weight gradients were non-finite, those with no such node above them are where it
     started; every node on the way from the loss to one of them that sent gradients at the scale
-    it received them at, or higher, gets a cap :data:`BACKOFF_BITS` below its own scale. Nodes in other
+    it received them at, or higher, gets a cap ``bits`` below its own scale
+    (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.backoff_bits`). Nodes in other
     branches keep theirs.
     """
     parents = _parents(plan.edges)
@@ -428,7 +429,7 @@ def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable
         for n in _ancestors(parents, i) | {i}:
             alpha = plan.alpha_out.get(n)
             if alpha is not None and alpha >= received:
-                caps[n] = min(caps.get(n, alpha - BACKOFF_BITS), alpha - BACKOFF_BITS)
+                caps[n] = min(caps.get(n, alpha - bits), alpha - bits)
     return caps
 
 

@@ -32,24 +32,22 @@ import torch
 from torch.autograd.graph import Node
 
 from gs_lightning.scaling.graph import ATTENTION_NODES, DEFORM_CONV, RNN_NODES, saved_function_tensor, saved_tensor
+from gs_lightning.scaling.recipe import ScalingRecipe
 
-# Upper bound on the number of values a probe returns.
-PROBE_ELEMENTS = 2**16
-# Upper bounds on a weight-gradient probe: its values (enough for γ' = 1e-3's order statistic to
-# rest on a few values, not on the minimum) and its multiply-adds (each value sums over the whole
-# batch and every position). README "How it works": chosen on bench/update_cost.py.
-WEIGHT_PROBE_ELEMENTS = 2**13
-WEIGHT_PROBE_MACS = 2**22
+# The budgets' defaults are the recipe's (ScalingRecipe.probe_elements, weight_probe_elements, weight_probe_macs).
 
 
-def weight_probe_elements(grad: torch.Tensor) -> int:
-    """How many weight-gradient values a probe may compute from the incoming ``grad`` (channels on dim 1)."""
+def weight_probe_elements(
+    grad: torch.Tensor, elements: int = ScalingRecipe.weight_probe_elements, macs: int = ScalingRecipe.weight_probe_macs
+) -> int:
+    """How many weight-gradient values a probe may compute from the incoming ``grad`` (channels on dim 1):
+    at most ``elements``, each summing over the batch and every position, ``macs`` multiply-adds in all."""
     summed = grad.numel() // grad.shape[1] if grad.dim() > 1 and grad.shape[1] else 1  # batch × positions
-    return max(1, min(WEIGHT_PROBE_ELEMENTS, WEIGHT_PROBE_MACS // max(1, summed)))
+    return max(1, min(elements, macs // max(1, summed)))
 
 
 def probe(
-    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int = PROBE_ELEMENTS
+    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int = ScalingRecipe.probe_elements
 ) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient ``node`` sends along ``edge``.
 
@@ -437,7 +435,7 @@ RNN_PROBED: dict[str, frozenset[int]] = {name: frozenset(edges) for name, edges 
 
 
 def rnn_probe(
-    node: Node, grads: Sequence[torch.Tensor | None], edge: int, elements: int = PROBE_ELEMENTS
+    node: Node, grads: Sequence[torch.Tensor | None], edge: int, elements: int = ScalingRecipe.probe_elements
 ) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient a fused RNN node sends along ``edge``.
 

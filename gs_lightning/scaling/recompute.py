@@ -7,7 +7,7 @@ small values underflow (ResNet-8 with e5m2 gradients lost 0.10-0.13% of its GEMM
 way). So the replays keep, for every GEMM whose parameter gradients can be recomputed, the incoming
 gradient as the node used it and the operand it saved (references, nothing copied; released at the
 step), and an update bounds such a GEMM by the level of its weight gradients and only a share of
-their spikes (:data:`~gs_lightning.scaling.update.RECOMPUTED_SPIKE_SHARE`). When a step finds
+their spikes (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.recomputed_spike_share`). When a step finds
 non-finite gradients and each is a parameter gradient of such a GEMM that received a finite gradient
 (it overflowed there, by itself), each is recomputed in fp32 from what was kept, at its true scale,
 and the step goes on; anything else (a gradient computed from a non-finite one, anywhere) skips it

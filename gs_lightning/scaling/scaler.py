@@ -43,7 +43,6 @@ from torch.autograd.graph import Node
 from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerPlan, compiled_modules, replay_hooks
 from gs_lightning.scaling.drift import (
-    DRIFT_TOLERANCE_LOG2,
     DriftReading,
     GradientDrift,
     LayerBackoff,
@@ -58,10 +57,10 @@ from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
+from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun, expected_total
 
-_MIN_BACKOFF = -64  # a non-finite *forward* cannot be fixed by scaling; stop shrinking somewhere
 _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
@@ -125,71 +124,33 @@ class GradientScaler:
         model: Optional; names layers after their modules (``"layer1.0.conv1"``) and lets a
             skipped step restore the model's buffers (BatchNorm running statistics), which the
             skipped iteration's forward already changed.
-        underflow_rate: γ', the target fraction of a gradient's elements that may underflow.
-        update_interval: Recompute the scales at least every this many backward passes (the
-            paper's fixed period: 100); sooner when the gradients drift (:attr:`drift`).
+        recipe: The scaling recipe (:class:`~gs_lightning.scaling.recipe.ScalingRecipe`): γ', the
+            update interval, λmin, caps, and every rule beyond the paper, validated once. A preset by
+            name: ``"default"`` or ``"paper"`` (Algorithm 1 as published). ``None``: the default.
         dtype: The low-precision format whose range the scales protect.
-        lambda_min: Which λmin the underflow model uses: ``"normal"``, the smallest normal number
-            (values below it keep fewer significant bits), or ``"subnormal"``, the smallest
-            subnormal (the paper's 6e-8 for float16). ``"normal"`` is the default because it
-            measured closer to fp32 (README, ``bench/fidelity.py``); where a layer's weight
-            gradients need room for their spikes, it gives up some of that precision, never
-            values (``layers()``: "with room where only precision is lost").
-        relu_factor: Multiplies the accumulation length N in Lemma 1. The paper uses 1/2 when a
-            ReLU zeroes half of ∇Y; the default 1 fits because σ(∇Y) is measured on the actual
-            gradient, zeros included.
-        max_layer_scale: Optional cap on each local scale β (the reference code used 16).
-        max_total_scale: Optional cap on each accumulated scale (the reference code used 1024).
         max_consecutive_skips: ``step`` raises once more than this many steps in a row were
             skipped for non-finite gradients (a diverged run); ``None`` never raises.
-        recompute_weight_gradients: Between updates, keep each GEMM's incoming gradient and saved
-            operand until the step, so that a weight gradient that overflows is recomputed in fp32
-            instead of skipping the step (:mod:`~gs_lightning.scaling.recompute`); the scales then
-            keep clear of only half of the weight gradients' spikes, and what the layers send on
-            underflows less. The price is memory: on ResNet-18 the peak grew by 36% of what the
-            forward saves for backward (README). ``False`` keeps nothing, and the scales clear
-            every spike.
         enabled: If false, ``backward`` is plain ``loss.backward()`` and ``step`` always steps.
+        **recipe_fields: Fields of the recipe to change, as keywords
+            (``GradientScaler(model, update_interval=50)``, ``GradientScaler(model, "paper",
+            underflow_rate=1e-4)``); an unknown one is an error naming the nearest field.
     """
 
     def __init__(
         self,
         model: nn.Module | None = None,
-        underflow_rate: float = 1e-3,
-        update_interval: int = 100,
+        recipe: ScalingRecipe | str | None = None,
+        *,
         dtype: torch.dtype = torch.float16,
-        lambda_min: Literal["normal", "subnormal"] = "normal",
-        relu_factor: float = 1.0,
-        max_layer_scale: float | None = None,
-        max_total_scale: float | None = None,
         max_consecutive_skips: int | None = 100,
-        recompute_weight_gradients: bool = True,
         enabled: bool = True,
+        **recipe_fields: Any,
     ) -> None:
-        if not 0.0 < underflow_rate < 0.5:
-            raise ValueError(f"GradientScaler: underflow_rate must be in (0, 0.5), got {underflow_rate}")
-        if not isinstance(update_interval, int) or update_interval < 1:
-            raise ValueError(f"GradientScaler: update_interval must be a positive integer, got {update_interval!r}")
-        if lambda_min not in ("normal", "subnormal"):
-            raise ValueError(f"GradientScaler: lambda_min must be 'normal' or 'subnormal', got {lambda_min!r}")
-        if not relu_factor > 0.0:
-            raise ValueError(f"GradientScaler: relu_factor must be positive, got {relu_factor}")
-        for option, value in (("max_layer_scale", max_layer_scale), ("max_total_scale", max_total_scale)):
-            if value is not None and not value >= 1.0:
-                raise ValueError(f"GradientScaler: {option} must be None or >= 1, got {value}")
         if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
             raise ValueError(f"GradientScaler: max_consecutive_skips must be None or a positive integer, got {max_consecutive_skips!r}")
-        if not isinstance(recompute_weight_gradients, bool):
-            raise ValueError(f"GradientScaler: recompute_weight_gradients must be True or False, got {recompute_weight_gradients!r}")
+        self.recipe = resolve_recipe(recipe, **recipe_fields)
         self.format = float_format(dtype)
-        self.underflow_rate = underflow_rate
-        self.update_interval = update_interval
-        self.lambda_min = lambda_min
-        self.relu_factor = relu_factor
-        self.max_layer_scale = max_layer_scale
-        self.max_total_scale = max_total_scale
         self.max_consecutive_skips = max_consecutive_skips
-        self.recompute_weight_gradients = recompute_weight_gradients
         self.enabled = enabled
         self._models: list[nn.Module] = []
         self._module_names: dict[int, str] = {}
@@ -206,7 +167,7 @@ class GradientScaler:
         self._last_skip = 0  # iteration of the last skipped step
         self._layers: dict[str, LayerScale] = {}
         self._first_non_finite: str | None = None
-        self._drift = GradientDrift(window=update_interval, lambda_max=self.format.max)  # largest weight gradients: drift, recent maxima, overflows
+        self._drift = self._new_drift()  # largest weight gradients: drift, recent maxima, overflows
         self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
         self._recompute = WeightGradRecompute()  # what the replay keeps to recompute weight gradients that overflow
         self._recomputed_steps = 0
@@ -223,18 +184,27 @@ class GradientScaler:
         if model is not None:
             self.attach(model)
 
+    def _new_drift(self) -> GradientDrift:
+        recipe = self.recipe
+        return GradientDrift(recipe.update_interval, self.format.max, recipe.drift_tolerance_log2, recipe.level_steps)
+
+    def _measures_drift(self) -> bool:
+        """Whether a rule reads the weight gradients' largest values between updates (none in the paper's recipe)."""
+        r = self.recipe
+        return r.drift_tolerance_log2 is not None or r.expected_maxima_margin_log2 is not None or r.recompute_weight_gradients
+
     # --- public API ------------------------------------------------------------------------
 
     @property
     def lambda_min_value(self) -> float:
         """λmin used by the underflow model."""
-        return self.format.normal_min if self.lambda_min == "normal" else self.format.subnormal_min
+        return self.format.normal_min if self.recipe.lambda_min == "normal" else self.format.subnormal_min
 
     @property
     def lambda_lost_value(self) -> float:
         """Below this a gradient's value is lost, not only less precise: the smallest subnormal, raised
         by the drift tolerated between updates (what spike room keeps γ' against)."""
-        return self.format.subnormal_min * 2.0**DRIFT_TOLERANCE_LOG2
+        return self.format.subnormal_min * 2.0 ** (self.recipe.drift_tolerance_log2 or 0.0)
 
     @property
     def iteration(self) -> int:
@@ -312,7 +282,7 @@ class GradientScaler:
         joined, root = join_outputs(tensors)
         if root is None:
             return outputs
-        update = self._force_update or self._iteration % self.update_interval == 0
+        update = self._force_update or self._iteration % self.recipe.update_interval == 0
         self._prepared = self._prepare(root, (), update)
         return outputs if len(tensors) == 1 else _unflatten(outputs, iter(joined))
 
@@ -415,7 +385,8 @@ class GradientScaler:
         plan, analysis = self._plans.get(()), self._analyses.get(())
         if not reading.surprised or reading.non_finite or reading.shrank or plan is None or analysis is None:
             return False
-        if not within_margin(analysis, plan, reading.surprised, partial(expected_total, lambda_max=self.format.max)):
+        margin = self.recipe.expected_maxima_margin_log2
+        if not within_margin(analysis, plan, reading.surprised, partial(expected_total, lambda_max=self.format.max, margin_log2=margin)):
             return False
         self._drift.raise_expected(reading.surprised)
         return True
@@ -485,6 +456,7 @@ class GradientScaler:
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: counters, back-off and every scale of the last update (plain containers)."""
         return {
+            "recipe": self.recipe.state_dict(),
             "iteration": self._iteration,
             "skipped_steps": self._skipped_steps,
             "recomputed_steps": self._recomputed_steps,
@@ -509,6 +481,15 @@ class GradientScaler:
                 f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
                 "GradientScaler fresh, it decides its scales on its first backward."
             )
+        if "recipe" in state:  # this scaler's recipe applies; say where the checkpoint's differed
+            changed = self.recipe.differences(ScalingRecipe.from_state_dict(state["recipe"]))
+            if changed:
+                warnings.warn(
+                    "GradientScaler.load_state_dict: resuming with this scaler's recipe, which differs from the "
+                    "checkpoint's in " + ", ".join(f"{k}={now!r} (was {was!r})" for k, (now, was) in changed.items()),
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._iteration = int(state["iteration"])
         self._skipped_steps = int(state["skipped_steps"])
         self._recomputed_steps = int(state.get("recomputed_steps", 0))
@@ -567,7 +548,7 @@ class GradientScaler:
 
     def _updates_next(self) -> bool:
         """Whether the next backward is an update iteration (compiled modules then run their forward eagerly)."""
-        return self._force_update or self._iteration % self.update_interval == 0 or () not in self._plans
+        return self._force_update or self._iteration % self.recipe.update_interval == 0 or () not in self._plans
 
     def _prepare_compiled_replay(self, root: Node, graph: AutogradGraph) -> _PreparedBackward | None:
         """The replay of a backward through compiled modules that carry the last update's scales in their graphs.
@@ -710,7 +691,7 @@ class GradientScaler:
         else:
             alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
-        unscale_and_measure(unscaled, self._drift if not prepared.path else None, run is not None)
+        unscale_and_measure(unscaled, self._drift if not prepared.path and self._measures_drift() else None, run is not None)
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self._written[id(variable)] = variable
@@ -753,34 +734,37 @@ class GradientScaler:
     def _settings(self, path: Path) -> Settings:
         # Not where a compiled module replays the scales (its graph keeps nothing to recompute from),
         # nor in a format that saturates instead of overflowing.
-        recompute = self.recompute_weight_gradients and not (self.format.saturates or path or self._compiled)
-        caps = [c for c in (self._backoff, _log2_floor(self.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
+        recipe = self.recipe
+        recompute = recipe.recompute_weight_gradients and not (self.format.saturates or path or self._compiled)
+        caps = [c for c in (self._backoff, _log2_floor(recipe.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
         # Expected maxima keep the batches to come from skipping; a saturating format clips a rare spike
         # instead. Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
-        expected, levels = ({}, {}) if self.format.saturates or path else self._drift.expect()
+        expected, levels = ({}, {}) if self.format.saturates or path or recipe.expected_maxima_margin_log2 is None else self._drift.expect()
         return Settings(
-            underflow_rate=self.underflow_rate,
+            underflow_rate=recipe.underflow_rate,
             lambda_min=self.lambda_min_value,
             lambda_lost=self.lambda_lost_value,
             lambda_max=self.format.max,
-            relu_factor=self.relu_factor,
-            layer_cap=_log2_floor(self.max_layer_scale),
+            relu_factor=recipe.relu_factor,
+            layer_cap=_log2_floor(recipe.max_layer_scale),
             total_cap=min(caps) if caps else None,
             node_caps=self._layer_backoff.node_caps() if not path else {},
             expected_maxima=expected,
             recompute=recompute,
             level_maxima=levels if recompute else {},
+            recipe=recipe,
         )
 
     def _finish_update(self, run: UpdateRun) -> None:
         # Relax the cap only after a full interval without a skipped step (update_interval=1 included).
-        scheduled = self._iteration % self.update_interval == 0 and self._iteration - self._last_skip >= self.update_interval
+        interval = self.recipe.update_interval
+        scheduled = self._iteration % interval == 0 and self._iteration - self._last_skip >= interval
         self._update_iterations += 1
         self._plans[()] = run.plan()
         self._layers = {layer.name: layer for layer in run.layers}
         self._first_non_finite = run.first_non_finite()
         self._force_update = False
-        self._layer_backoff.relax(run.alpha_out, self._iteration, self.update_interval)
+        self._layer_backoff.relax(run.alpha_out, self._iteration, interval)
         if self._backoff is not None and scheduled:
             largest = max(run.alpha_out.values(), default=0)
             # One bit per clean interval; drop the cap once it no longer binds.
@@ -794,14 +778,14 @@ class GradientScaler:
         self._consecutive_skips += 1
         plan, analysis, reading = self._plans.get(()), self._analyses.get(()), self._drift.last
         known = plan is not None and analysis is not None and reading.some_overflowed
-        caps = overflow_caps(analysis, plan, reading.non_finite) if known else {}
+        caps = overflow_caps(analysis, plan, reading.non_finite, self.recipe.backoff_bits) if known else {}
         self._drift.keep_overflows_of(overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset())
         if caps:  # the overflowing layers are known: lower those only
-            self._layer_backoff.lower(caps, self._iteration, _MIN_BACKOFF)
+            self._layer_backoff.lower(caps, self._iteration, self.recipe.min_backoff_log2)
         else:
             largest = max((a for plan in self._plans.values() for a in plan.alpha_out.values()), default=0)
             cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
-            self._backoff = max(cap, _MIN_BACKOFF)
+            self._backoff = max(cap, self.recipe.min_backoff_log2)
         self._last_skip = self._iteration
         self._force_update = True
         self._restore_buffers()

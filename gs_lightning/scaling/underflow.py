@@ -168,6 +168,14 @@ def cast_min_log2_scale(log_mean: float, log_std: float, lambda_min: float, targ
     return ln_alpha / math.log(2.0)
 
 
+def cast_underflow_rate(log2_scale: float, log_mean: float, log_std: float, lambda_min: float) -> float:
+    """Theorem 2: γ(α) = ½ (1 + erf((ln λmin − μ − ln α) / (√2 σ))), with α = 2^log2_scale."""
+    distance = math.log(lambda_min) - log_mean - log2_scale * math.log(2.0)
+    if log_std <= 0.0:  # every nonzero value has one magnitude
+        return 1.0 if distance > 0.0 else 0.0
+    return 0.5 * (1.0 + math.erf(distance / (_SQRT2 * log_std)))
+
+
 def overflow_max_log2_scale(largest_output: float, lambda_max: float) -> float:
     """Real log2 of the bound on α from α · largest_output < λmax (``inf`` when unconstrained)."""
     if not largest_output > 0.0 or not math.isfinite(largest_output):

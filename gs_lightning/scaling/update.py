@@ -32,10 +32,13 @@ from gs_lightning.scaling.graph import (
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
+from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
 from gs_lightning.scaling.underflow import (
     ExactSample,
     branch_log2_scale,
+    cast_min_log2_scale,
+    cast_underflow_rate,
     choose_log2_scale,
     gemm_min_log2_scale,
     gemm_sigma,
@@ -53,7 +56,7 @@ class Settings:
         lambda_min: λmin of the underflow model.
         lambda_lost: Below this a gradient's value is lost, not only less precise: the format's
             smallest subnormal, raised by the drift the scales tolerate between updates. Spike room
-            (:data:`SPIKE_ROOM_LOG2`) may lower a GEMM's scale as far as this bound allows.
+            (:attr:`ScalingRecipe.spike_room_log2`) may lower a GEMM's scale as far as this bound allows.
         lambda_max: λmax, the format's largest finite value.
         relu_factor: Multiplies the accumulation length of Lemma 1.
         layer_cap: log2 cap on each local scale, or ``None``.
@@ -65,7 +68,8 @@ class Settings:
             (:mod:`~gs_lightning.scaling.recompute`): eager replays, in a format that overflows.
         level_maxima: Leaf index -> its gradient's level, without the spikes
             (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
-            with :data:`RECOMPUTED_SPIKE_SHARE` of the spikes.
+            with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
+        recipe: The rules' settings (margins, headroom, probe budgets).
     """
 
     underflow_rate: float
@@ -79,6 +83,7 @@ class Settings:
     expected_maxima: Mapping[int, float] = field(default_factory=dict)
     recompute: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
+    recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
 
 
 @dataclass(frozen=True)
@@ -180,13 +185,6 @@ def memory_order(t: torch.Tensor) -> torch.Tensor:
 
 Warn = Callable[[str, str], None]
 
-# The overflow bounds an update decides on are tight (a bias gradient's is exact), and its scales
-# are replayed until the next update while the weights move. Every bound keeps this many binades of
-# headroom, so a gradient may grow 2x before a replay overflows (GPT-2's c_proj bias gradients
-# overflowed replays one SGD step after an update without it). What it costs in underflow, where
-# an overflow bound decides the scale: README_issue19.md.
-REPLAY_HEADROOM_LOG2 = 1
-
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
 # number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
@@ -194,48 +192,22 @@ REPLAY_HEADROOM_LOG2 = 1
 MAX_LOG2_TOTAL = 100
 # The overflow limits that are exact on the update iteration (the others bound loosely, or, as the
 # measured weight gradient, keep a margin of their own): these, and a sampled node's "output ..."
-# limits, keep REPLAY_HEADROOM_LOG2.
+# limits, keep ScalingRecipe.replay_headroom_log2.
 EXACT_LIMITS = frozenset({"incoming gradient", BIAS_GRADIENT})
 
-# An opaque region (custom autograd Function, compiled region) is scaled as one unit. Its update
-# iteration runs it at a probe scale that leaves the gradient entering it this many binades below
-# λmax: room for its gradients to grow inside it, where nothing can be measured (its weight
-# gradients measured 2^1.4 (MLP), 2^3.0 (ResNet-18) and 2^10.4 (SegNet-basic on 0-255 pixels)
-# above the gradient entering it, compiled with torch.compile).
-OPAQUE_PROBE_HEADROOM_LOG2 = 12
-
-# Headroom kept above a weight gradient measured on an update iteration, in binades, for the
-# batches until the next update (README "How it works": chosen on bench/compare_training.py).
-WEIGHT_GRAD_MARGIN_LOG2 = 0.5
-# Headroom kept above the largest value a GEMM's parameter gradients are expected to reach before
-# the next update (drift.GradientDrift.expect), in binades (README "How it works": chosen
-# on bench/compare_training.py).
-EXPECTED_MAXIMA_MARGIN_LOG2 = 3.0
+# What held a scale below the underflow bound (LayerScale.limited_by), where a rule beyond the paper did.
 EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
-# More headroom above those expected maxima, in binades, where it costs only precision: a GEMM's
-# scale is lowered by up to this much while its outputs still meet γ' against Settings.lambda_lost
-# (values land in the format's subnormal range, they do not round to zero). fp16's normal range
-# asked ResNet-8's 5.conv2 for 2^23 where 2^16 lost nothing, and a batch 3.7 binades above the
-# expected maxima overflowed it (README "How it works": chosen on bench/compare_training.py).
-SPIKE_ROOM_LOG2 = 3.0
 SPIKE_ROOM = f"overflow of the {EXPECTED_PARAMETER_GRADIENTS}, with room where only precision is lost"
-# Where the replays can recompute a GEMM's weight gradients that overflow (recompute.py), its bound
-# keeps this share of their spikes above the level (in binades), with the same margin: what the GEMM
-# sends on spikes with the same hard batches and cannot be recomputed. The parameter gradients it
-# feeds before the next decision (a normalisation's, sums of what it sends on) bound it with their
-# spikes. README "How it works": chosen on bench/compare_training.py (ResNet-8 e5m2, seeds 0-2: with
-# no share two seeds skipped a step, with half none).
-RECOMPUTED_SPIKE_SHARE = 0.5
 RECOMPUTED_SPIKES = f"{EXPECTED_PARAMETER_GRADIENTS}, a share of their spikes (the rest recomputed)"
 FED_PARAMETER_GRADIENTS = f"{EXPECTED_PARAMETER_GRADIENTS} of the layers it feeds"
 _EXPECTED = frozenset({EXPECTED_PARAMETER_GRADIENTS, RECOMPUTED_SPIKES, FED_PARAMETER_GRADIENTS})
 KEPT_DOWNSTREAM = "scale the layers it feeds keep"
 
 
-def expected_total(expected: float, lambda_max: float) -> int:
+def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
     """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
-    :data:`EXPECTED_MAXIMA_MARGIN_LOG2` below ``lambda_max``."""
-    return math.ceil(overflow_max_log2_scale(expected * 2.0**EXPECTED_MAXIMA_MARGIN_LOG2, lambda_max)) - 1
+    ``margin_log2`` binades (:attr:`ScalingRecipe.expected_maxima_margin_log2`) below ``lambda_max``."""
+    return math.ceil(overflow_max_log2_scale(expected * 2.0**margin_log2, lambda_max)) - 1
 
 
 def _exact(limit: str) -> bool:
@@ -552,7 +524,7 @@ class UpdateRun:
         ``summed``: the parts are added (a branch), so the bound is on their sum, Σ max|∇X_i| / α_i,
         not on each part; it is checked even when they share a scale if the sum is taken in a low
         precision, where it can overflow though every part is finite (a weight used three times
-        under autocast). Either bound keeps :data:`REPLAY_HEADROOM_LOG2`.
+        under autocast). Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`.
         """
         alphas = [a for _, a in parts]
         low_precision_sum = summed and len(parts) > 1 and any(g.dtype in FORMATS for g, _ in parts)
@@ -561,7 +533,8 @@ class UpdateRun:
         maxima = magnitudes([extremes(g) for g, _ in parts])
         true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
         largest = (sum(true_maxima) if summed else max(true_maxima)) * self._gains_after.get(i, 1.0)
-        return self._capped(branch_log2_scale(alphas, largest * 2.0**REPLAY_HEADROOM_LOG2, self.settings.lambda_max), i)
+        headroom = self.settings.recipe.replay_headroom_log2
+        return self._capped(branch_log2_scale(alphas, largest * 2.0**headroom, self.settings.lambda_max), i)
 
     def _gain_into(self, edge: Slot | None) -> float:
         """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again (:func:`gains_after`)."""
@@ -569,7 +542,7 @@ class UpdateRun:
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
-        where the replays can recompute them, their level and :data:`RECOMPUTED_SPIKE_SHARE` of the spikes."""
+        where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
         maxima, decides = {}, self._decision_nodes()
         for i in self.analysis.gemms:
             leaves = parameter_leaves(self.graph.edges, self.analysis, i)
@@ -578,7 +551,7 @@ class UpdateRun:
             if self.settings.recompute and recomputable(self.graph, self.analysis, i, self.leaves.deferred):
                 self._recomputable.add(i)
             if i in self._recomputable and expected > 0.0 and level > 0.0:
-                maxima[i] = level * (expected / level) ** RECOMPUTED_SPIKE_SHARE
+                maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
                 fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i, decides)), default=0.0)
                 if fed > 0.0:
                     self._fed_maxima[i] = fed
@@ -608,7 +581,12 @@ class UpdateRun:
 
     def _expected_total(self, i: int) -> int:
         """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`_gemm_scale` bounds it)."""
-        return expected_total(self._expected[i], self.settings.lambda_max)
+        return expected_total(self._expected[i], self.settings.lambda_max, self._expected_margin())
+
+    def _expected_margin(self) -> float:
+        """:attr:`ScalingRecipe.expected_maxima_margin_log2` (there are expected maxima only where the rule is on)."""
+        margin = self.settings.recipe.expected_maxima_margin_log2
+        return 0.0 if margin is None else margin
 
     def _total_cap(self, i: int) -> int | None:
         caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self._kept_downstream.get(i)) if c is not None]
@@ -621,12 +599,12 @@ class UpdateRun:
     def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float]) -> tuple[int, str]:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``.
 
-        Under expected parameter-gradient maxima, :data:`SPIKE_ROOM_LOG2` may lower the scale as far
+        Under expected parameter-gradient maxima, :attr:`ScalingRecipe.spike_room_log2` may lower the scale as far
         as the same bound against :attr:`Settings.lambda_lost` allows.
         """
-        s = self.settings
-        # Exact bounds keep at least REPLAY_HEADROOM_LOG2 for the replays; the others are loose already.
-        limits = {name: bound - (REPLAY_HEADROOM_LOG2 if _exact(name) else 0.0) for name, bound in limits.items()}
+        s, recipe = self.settings, self.settings.recipe
+        # Exact bounds keep at least the replay headroom; the others are loose already.
+        limits = {name: bound - (recipe.replay_headroom_log2 if _exact(name) else 0.0) for name, bound in limits.items()}
         upper_name, upper = min(limits.items(), key=lambda item: item[1], default=("", math.inf))
         caps = {"max_layer_scale": s.layer_cap}
         if s.total_cap is not None:
@@ -638,9 +616,9 @@ class UpdateRun:
         caps = {name: cap for name, cap in caps.items() if cap is not None}
         ceiling = min(caps.values(), default=None)
         beta = choose_log2_scale(lower, upper, ceiling)
-        if limits.keys() & _EXPECTED and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
+        if recipe.spike_room_log2 > 0.0 and limits.keys() & _EXPECTED and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
-            roomy = min(bound - (SPIKE_ROOM_LOG2 if name in _EXPECTED else 0.0) for name, bound in limits.items())
+            roomy = min(bound - (recipe.spike_room_log2 if name in _EXPECTED else 0.0) for name, bound in limits.items())
             with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
             if with_room < beta:
                 return with_room, SPIKE_ROOM
@@ -666,8 +644,9 @@ class UpdateRun:
             return self._non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
-        sent = [v for v in (probe(node, grad, k, op.operand) for k, op in operands) if v is not None]
-        samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))]
+        recipe = s.recipe
+        sent = [v for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands) if v is not None] if recipe.exact_probes else []
+        samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
         (grad_rms, *values), orders = stats_and_samples(
             [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
             samples,
@@ -701,9 +680,9 @@ class UpdateRun:
         expected = self._expected.get(i, 0.0)
         if expected > 0.0:  # unscaled: the bound on the local scale leaves room for the α it receives
             name = RECOMPUTED_SPIKES if i in self._recomputable else EXPECTED_PARAMETER_GRADIENTS
-            limits[name] = overflow_max_log2_scale(expected * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
+            limits[name] = overflow_max_log2_scale(expected * 2.0 ** (self._expected_margin() + alpha), s.lambda_max)
         if i in self._fed_maxima:
-            limits[FED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(self._fed_maxima[i] * 2.0 ** (EXPECTED_MAXIMA_MARGIN_LOG2 + alpha), s.lambda_max)
+            limits[FED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(self._fed_maxima[i] * 2.0 ** (self._expected_margin() + alpha), s.lambda_max)
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
             limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
@@ -720,42 +699,66 @@ class UpdateRun:
 
         What the node sends on does not show a weight gradient's small values: on SSD300's heads and
         extra layers, few positions and sparse ∇Y leave them 17-28 binades below the largest (README
-        "How it works"). At most ``elements`` values each (default :func:`weight_probe_elements`);
-        none where the node's input is unreadable (non-reentrant checkpointing).
+        "How it works"). At most ``elements`` values each (default :func:`weight_probe_elements` with the
+        recipe's budgets); none where the node's input is unreadable (non-reentrant checkpointing).
         """
-        node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad)
+        recipe = self.settings.recipe
+        node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad, recipe.weight_probe_elements, recipe.weight_probe_macs)
         return [values for k in self.analysis.weight_edges[i] if (values := probe(node, grad, k, None, elements)) is not None]
 
     def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> float:
-        """The overflow bound from the weight gradient itself, computed in fp32, with :data:`WEIGHT_GRAD_MARGIN_LOG2` to spare.
+        """The overflow bound from the weight gradient itself, computed in fp32, with :attr:`ScalingRecipe.weight_grad_margin_log2` to spare.
 
         Only where the Cauchy–Schwarz bound is what keeps a scale from meeting γ' (one more GEMM
-        on such layers, on update iterations only).
+        on such layers, on update iterations only), with exact probes.
         """
-        exact = self._weight_samples(i, grad, elements=sys.maxsize)
+        exact = self._weight_samples(i, grad, elements=sys.maxsize) if self.settings.recipe.exact_probes else []
         if not exact:
             return math.inf
         largest = max(magnitudes([extremes(values) for values in exact]))
-        return overflow_max_log2_scale(largest * 2.0**WEIGHT_GRAD_MARGIN_LOG2, self.settings.lambda_max)
+        return overflow_max_log2_scale(largest * 2.0**self.settings.recipe.weight_grad_margin_log2, self.settings.lambda_max)
 
     def _cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
-        """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others)."""
+        """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others);
+        Theorem 2 where the recipe has no exact probes."""
+        if not self.settings.recipe.exact_probes:
+            return self._log_normal_cast_scale(i, grad, grad_extremes, alpha)
         return self._sampled_scale(i, "cast", [grad], grad_extremes, alpha)
+
+    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
+        """Theorem 2: ln|∇y| over the nonzero elements taken as N(μ, σ²), the paper's model of a cast."""
+        s = self.settings
+        magnitudes_ = detached(grad).float().abs()
+        nonzero = magnitudes_ > 0.0
+        count = nonzero.sum()
+        logs = torch.where(nonzero, magnitudes_.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
+        mean = logs.sum() / count.clamp_min(1)
+        variance = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / count.clamp_min(1)
+        low, high, log_mean, log_variance, nonzero_count = stats(*grad_extremes, mean, variance, count)
+        grad_max = magnitude(low, high)
+        if not math.isfinite(grad_max) or nonzero_count == 0:
+            return self._non_finite(i, "cast", alpha)
+        log_std = math.sqrt(max(log_variance, 0.0))
+        lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
+        beta, limited_by = self._choose(i, alpha, lower, {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)})
+        rate = cast_underflow_rate(beta, log_mean, log_std, s.lambda_min)
+        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate, None, limited_by))
+        return beta
 
     def _fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int, grads: list[torch.Tensor]) -> int:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
         node, name = self.graph.nodes[i], self.graph.names[i]
         if name in RNN_NODES:
-            kind, samples = "rnn", [rnn_probe(node, grads, k) for k in self.analysis.fused[i]]
+            kind, samples = "rnn", [rnn_probe(node, grads, k, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
         else:
-            kind, samples = "attention", [probe(node, grad, k, None) for k in self.analysis.fused[i]]
+            kind, samples = "attention", [probe(node, grad, k, None, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
         return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad_extremes, alpha)
 
     def _opaque_probe(self, i: int, grad_extremes: Extremes, alpha: int) -> int:
-        """An opaque region's scale on its update iteration: its incoming gradient ``OPAQUE_PROBE_HEADROOM_LOG2`` below λmax."""
+        """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
         (grad_max,) = magnitudes([grad_extremes])
         upper = overflow_max_log2_scale(grad_max, self.settings.lambda_max)
-        beta = math.ceil(upper) - 1 - OPAQUE_PROBE_HEADROOM_LOG2 if math.isfinite(upper) else 0
+        beta = math.ceil(upper) - 1 - self.settings.recipe.opaque_probe_headroom_log2 if math.isfinite(upper) else 0
         ceiling = self._opaque_ceiling(i, alpha)
         beta = beta if ceiling is None else min(beta, ceiling)
         self._opaque_probes[i] = (beta, upper)

@@ -220,4 +220,4 @@ def test_fp16_is_required(tmp_path: Path) -> None:
 
 def test_make_gradient_scaler_settings_reach_the_scaler(tmp_path: Path) -> None:
     trainer, _ = make_trainer(tmp_path, functools.partial(GradientScaler, underflow_rate=1e-4, update_interval=7))
-    assert (trainer.gradient_scaler.underflow_rate, trainer.gradient_scaler.update_interval) == (1e-4, 7)
+    assert (trainer.gradient_scaler.recipe.underflow_rate, trainer.gradient_scaler.recipe.update_interval) == (1e-4, 7)

@@ -134,7 +134,7 @@ def test_the_plugin_passes_recompute_weight_gradients_on(lightning_package: str)
     torch.manual_seed(0)
     plugin = GradientScalingPlugin(recompute_weight_gradients=False)
     trainer(lightning_package, plugin, max_steps=2).fit(classifier(lightning_package), loader())
-    assert plugin.scaler.recompute_weight_gradients is False and plugin.scaler.recomputed_steps == 0
+    assert plugin.scaler.recipe.recompute_weight_gradients is False and plugin.scaler.recomputed_steps == 0
     with pytest.raises(ValueError, match="recompute_weight_gradients must be True or False"):
         GradientScalingPlugin(recompute_weight_gradients=None)  # type: ignore[arg-type]
 

@@ -17,13 +17,14 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling.drift import DRIFT_TOLERANCE_LOG2, DriftReading, GradientDrift, LayerBackoff, within_margin
+from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, within_margin
+from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling import update
 from gs_lightning.scaling.update import RECOMPUTED_SPIKES, SPIKE_ROOM, expected_total
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
-LAMBDA_LOST = 2.0**-24 * 2.0**DRIFT_TOLERANCE_LOG2  # GradientScaler.lambda_lost_value for float16
+LAMBDA_LOST = 2.0**-24 * 2.0**ScalingRecipe.drift_tolerance_log2  # GradientScaler.lambda_lost_value for float16
 
 
 def _below(grad: torch.Tensor, threshold: float = LAMBDA_MIN) -> float:
@@ -406,7 +407,7 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update(mo
 
     scaler = run()
     plan, analysis = scaler._plans[()], scaler._analyses[()]
-    highest = functools.partial(expected_total, lambda_max=scaler.format.max)
+    highest = functools.partial(expected_total, lambda_max=scaler.format.max, margin_log2=scaler.recipe.expected_maxima_margin_log2)
     leaf = next(iter(analysis.leaf_sources))
     expected = scaler._drift.expected[leaf]
     assert within_margin(analysis, plan, {leaf: expected}, highest)

@@ -70,7 +70,7 @@ def install_gradient_scaler(accelerator: Accelerator, scaler: ScalerT) -> Scaler
             f"install_gradient_scaler: the Accelerator trains with mixed_precision={accelerator.mixed_precision!r}; "
             "gradient scaling is for fp16: build it with Accelerator(mixed_precision='fp16')"
         )
-    engine = DistributedType.FSDP if accelerator.is_fsdp2 else accelerator.distributed_type
+    engine = DistributedType.FSDP if getattr(accelerator, "is_fsdp2", False) else accelerator.distributed_type
     if engine in _UNSUPPORTED:
         raise ValueError(f"install_gradient_scaler: not supported under {engine.value}: {_UNSUPPORTED[engine]}")
     if not accelerator.native_amp:

@@ -13,6 +13,7 @@ import inspect
 import logging
 import pickle
 import re
+import shlex
 import shutil
 import sys
 import textwrap
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
 from gs_lightning.data.synthetic import generated_dataset
-from gs_lightning.lightning.callback import ResumeCallback, finished_epochs
+from gs_lightning.lightning.callback import InterruptCheckpoint, ResumeCallback, finished_epochs
 from gs_lightning.scaling.scaler import GradientScaler
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
             if reached is not None:
                 log.info(reached)
                 return {}
-        built.trainer.fit(built.task, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        try:
+            built.trainer.fit(built.task, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        except SystemExit:  # Lightning's exit after a Ctrl-C
+            if built.trainer.interrupted and built.trainer.is_global_zero:
+                log.info(_how_to_resume(built.trainer))
+            raise
         metrics = {k: float(v) for k, v in built.trainer.callback_metrics.items()}
         if cfg.test and not cfg.trainer.fast_dev_run:
             for result in built.trainer.test(built.task, datamodule=built.datamodule, verbose=False):
@@ -256,6 +262,25 @@ def _skipped_at_the_end(scaler: GradientScaler) -> str:
         ", before any scale: unscaled fp16 would have failed there too. The loss or the forward was non-finite, "
         "or training diverged (lower the learning rate, check the inputs); the table's NaN rows are that update's."
     )
+
+
+def _how_to_resume(trainer: L.Trainer) -> str:
+    """Where an interrupted run stopped, what it saved, and the command line that resumes it."""
+    saved = next((c.saved for c in trainer.callbacks if isinstance(c, InterruptCheckpoint) and c.saved is not None), None)
+    lines = ["", f"Interrupted at step {trainer.global_step} (epoch {trainer.current_epoch})."]
+    if saved is None:
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+        lines.append(f"No checkpoint of that step was saved (no InterruptCheckpoint callback); the last one: {last or 'none'}")
+        saved = Path(last).resolve() if last else None
+    else:
+        lines.append(f"Checkpoint:    {saved}")
+    lines.append(f"Run directory: {Path(trainer.default_root_dir).resolve()}")
+    if saved is not None:
+        overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+        program = sys.argv[0] if HydraConfig.initialized() else "train.py"
+        command = ["python", program, *(o for o in overrides if not o.startswith("ckpt_path=")), f"ckpt_path={saved}"]
+        lines.append(f"Resume:        {shlex.join(command)}")
+    return "\n".join(lines)
 
 
 def _check_data_root(datamodule: L.LightningDataModule, cfg: DictConfig) -> None:

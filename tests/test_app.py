@@ -13,10 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from conftest import Classifier, loader, make_trainer
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig
 
@@ -127,7 +129,7 @@ def test_every_precision_trains_the_demo(precision: str, tmp_path_factory: pytes
     assert all(p.isfinite().all() for p in built.task.parameters())
     plugin = built.trainer.precision_plugin
     if precision == "gs":
-        assert plugin.scaler.update_interval == 1000 and plugin.scaler.scales()
+        assert plugin.scaler.recipe.update_interval == 1000 and plugin.scaler.scales()
     if precision == "fixed":
         assert plugin.scale == 4096
 
@@ -454,6 +456,43 @@ def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_ru
         assert run(_demo_like(tmp_path / "again", tmp_path, "trainer.max_epochs=3", f"ckpt_path={first}")) == {}
     assert "Nothing to train: the run of ckpt_path=" in caplog.text and "already reached trainer.max_epochs=3" in caplog.text
     assert not (tmp_path / "again" / "checkpoints").exists()
+
+
+class InterruptAtStep(Callback):
+    """Ctrl-C, as Lightning meets it, once training has reached ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_saves_the_interrupted_step_and_says_how_to_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A demo-like run interrupted at step 4 (the first batch of epoch 2, 3 batches an epoch) exits 1
+    as Lightning does, with interrupted.ckpt at step 4 in its run directory and the command line
+    that resumes it; resumed to 9 steps, it ends with the weights of an uninterrupted run."""
+    straight = run(_demo_like(tmp_path / "straight", tmp_path, "trainer.max_steps=9", "test=false"))
+    interrupt = f"+callbacks.interrupt_at={{_target_: {__name__}.InterruptAtStep, step: 4}}"
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with caplog.at_level("INFO", logger="gs_lightning.app"), pytest.raises(SystemExit) as info:
+            run(_demo_like(tmp_path / "interrupted", tmp_path, "trainer.max_steps=9", "test=false", interrupt))
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C while it shuts down
+    assert info.value.code == 1
+    checkpoint = tmp_path / "interrupted" / "checkpoints" / "interrupted.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 4
+    assert "Interrupted at step 4 (epoch 1)." in caplog.text and f"Checkpoint:    {checkpoint}" in caplog.text
+    assert f"Run directory: {tmp_path / 'interrupted'}" in caplog.text
+    assert f"Resume:        python train.py ckpt_path={checkpoint}" in caplog.text
+
+    resumed = run(_demo_like(tmp_path / "resumed", tmp_path, "trainer.max_steps=9", "test=false", f"ckpt_path={checkpoint}"))
+    final = [_weights(tmp_path / name / "checkpoints" / "last.ckpt") for name in ("straight", "resumed")]
+    assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 9
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    assert resumed["train/loss"] == straight["train/loss"]
 
 
 def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Callbacks: GradientScalingCallback logs per-layer gradient scales while training and plots them
 when it ends; RandomStateCallback puts the random generators' states into checkpoints;
-ResumeCallback makes a resumed or extended run continue exactly where an uninterrupted one would."""
+ResumeCallback makes a resumed or extended run continue exactly where an uninterrupted one would;
+InterruptCheckpoint saves the step a Ctrl-C interrupted."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
@@ -371,3 +373,34 @@ def _stop_restarting(loop: Any) -> None:
     for child in vars(loop).values():
         if hasattr(child, "_restarting") and child is not loop and hasattr(child, "trainer"):
             _stop_restarting(child)
+
+
+class InterruptCheckpoint(Callback):
+    """Saves a checkpoint when a fit is interrupted with Ctrl-C (``KeyboardInterrupt``), at the step
+    it reached: ``ckpt_path=`` resumes from there.
+
+    Not Lightning's :class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint`, which saves on any
+    exception (a crash's state, a corrupt image's or a diverged run's, is seldom one to resume),
+    removes the file when a fit ends, and makes every later ``fit(ckpt_path=None)`` look for a
+    checkpoint to resume. Interrupted between two batches (in a batch-end hook) the checkpoint
+    resumes with the next batch, as Lightning's own step checkpoints do; interrupted within a batch,
+    it resumes with that batch again.
+
+    Args:
+        dirpath: folder of the checkpoint.
+        filename: its name, without ``.ckpt``.
+
+    Attributes:
+        saved: the checkpoint written by the last interrupted fit, or None.
+    """
+
+    def __init__(self, dirpath: str | Path, filename: str = "interrupted") -> None:
+        if not filename:
+            raise ValueError("InterruptCheckpoint: filename must not be empty")
+        self.path = Path(dirpath) / f"{filename}.ckpt"
+        self.saved: Path | None = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt) and trainer.state.fn == TrainerFn.FITTING:
+            trainer.save_checkpoint(self.path)
+            self.saved = self.path.resolve()

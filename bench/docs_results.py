@@ -215,7 +215,7 @@ def _training_methods(script: str) -> dict[str, Any]:
     return METHODS
 
 
-IDENTITY = ("task", "method", "seed", "metric_name")
+IDENTITY = ("task", "method", "seed", "metric_name", "grads", "label")
 
 
 def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[str, Any]]:
@@ -232,8 +232,8 @@ def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[
             method = methods.get(key)
             row: dict[str, Any] = {
                 "task": task,
-                "gradients": method.grads if method else "",
-                "method": method.label if method else key,
+                "gradients": group[0].get("grads") or (method.grads if method else ""),
+                "method": group[0].get("label") or (method.label if method else key),
                 "seeds": len(group),
                 f"{group[0]['metric_name']} (mean ± std)": _mean_std([r["metric"] for r in group]),
                 "final train loss": _mean_std([_final_loss(r["losses"]) for r in group]),
@@ -509,6 +509,10 @@ def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
         files[DOCS / page.file] = "\n".join(lines).rstrip() + "\n"
         index.append(f"| [{page.title}]({page.file}) | " + "; ".join(run.provenance["title"] for run in selected) + " |")
     index += ["", "## At a glance", "", *[line.replace("(docs/results/", "(") for line in headline(runs)], ""]
+    unrecorded = sorted(f"`bench/{script}`" for script in SECTIONS if script.endswith(".py") and script != "train.py"
+                        and not any(run.script == script for run in runs))
+    if unrecorded:
+        index += [f"Not run for these pages: {', '.join(unrecorded)}.", ""]
     files[DOCS / "index.md"] = "\n".join(index)
     demo = [run for run in runs if run.script == "train.py"]
     if demo:

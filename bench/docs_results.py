@@ -513,6 +513,9 @@ def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
                         and not any(run.script == script for run in runs))
     if unrecorded:
         index += [f"Not run for these pages: {', '.join(unrecorded)}.", ""]
+    if all("no GPU" in run.provenance["machine"] for run in runs):
+        index += ["No run on a GPU is recorded here: `bash bench/gpu_check.sh` runs the fidelity, overhead and "
+                  "zoo benches on one CUDA GPU at realistic sizes.", ""]
     files[DOCS / "index.md"] = "\n".join(index)
     demo = [run for run in runs if run.script == "train.py"]
     if demo:

@@ -410,8 +410,9 @@ class Page:
 
 PAGES = (
     Page("training.md", "Training beside every baseline", ("compare_training.py", "ssd_finetune.py"),
-         "Small versions of the paper's three experiments (SegNet on generated CamVid-format scenes, ResNet-8 on "
-         "generated images, SSD300 on generated VOC-format boxes), trained under CPU emulation of fp16 "
+         "Small versions of the paper's three experiments (task `segnet`: SegNet-basic on generated CamVid-format "
+         "scenes; `resnet`: ResNet-8 on generated images; `ssd`: SSD300 on generated VOC-format boxes, from "
+         "scratch), trained under CPU emulation of fp16 "
          "(`gs_lightning.simulate.emulate`), each method from the same initial weights on the same batches. "
          "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
          "produces rounded to that fp8 format. *GEMM-gradient underflow*: of each gradient a backward GEMM "
@@ -457,7 +458,7 @@ def headline(runs: list[Recorded]) -> list[str]:
                          for r in aggregated if (r["task"], r["gradients"]) == (task, grads)
                          and r["method"] in ("GS", "dynamic loss scale") and r["underflow"] is not None]
                 if cells:
-                    rows.append((f"{task}, {grads} gradients: skipped steps, GEMM-gradient underflow ({run.provenance['title']})",
+                    rows.append((f"{TASK_TITLES.get(task, task)}, {grads} gradients: skipped steps, GEMM-gradient underflow",
                                  "; ".join(reversed(cells)), "training.md"))
         elif run.script == "overhead.py":
             settings, timed = run.data["settings"], next(k for k in run.data["rows"][0] if k.endswith(" ms"))
@@ -481,6 +482,7 @@ def headline(runs: list[Recorded]) -> list[str]:
 
 
 PAGE_TITLES = {page.file: page.title for page in PAGES}
+TASK_TITLES = {"resnet": "ResNet-8", "segnet": "SegNet-basic", "ssd": "SSD300"}  # compare_training's tasks, as the page's intro names them
 
 
 # ---------------------------------------------------------------------------------------------- writing

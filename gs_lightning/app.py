@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
 from gs_lightning.data.synthetic import generated_dataset
-from gs_lightning.lightning.callback import InterruptCheckpoint, ResumeCallback, finished_epochs
+from gs_lightning.lightning.callback import GradientScalingCallback, InterruptCheckpoint, ResumeCallback, finished_epochs
 from gs_lightning.scaling.scaler import GradientScaler
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,8 @@ def build(cfg: DictConfig) -> Run:
     for callback in callbacks:
         if isinstance(callback, ResumeCallback):
             callback.recipe = _recipe_name()
+        if isinstance(callback, GradientScalingCallback) and callback.run_name is None:
+            callback.run_name = _run_label(Path(cfg.paths.output_dir))
     trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision))
     return Run(trainer, task, datamodule)
 
@@ -398,6 +400,12 @@ def _check_same_precision(path: Path, checkpoint: dict[str, Any], trainer: L.Tra
             f"ckpt_path={path} holds the scaler state of {saved[0]} but this run's precision plugin is {current}; "
             "resume with the precision it was trained with"
         )
+
+
+def _run_label(run_dir: Path) -> str:
+    """The run directory as the user knows it: relative to the working directory when inside it."""
+    run_dir = run_dir.absolute()
+    return str(run_dir.relative_to(Path.cwd())) if run_dir.is_relative_to(Path.cwd()) else str(run_dir)
 
 
 def _recipe_name() -> str | None:

@@ -12,7 +12,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 
 History = Mapping[int, Mapping[str, float]]
@@ -52,20 +54,53 @@ def layer_groups(layers: Iterable[str]) -> dict[str, list[str]]:
     return groups
 
 
-def plot_scale_heatmap(history: History, path: str | Path) -> Path:
-    """Layer × step heatmap of log2 gradient scales (the paper's Figure 3b); returns the PNG's path."""
+def plot_scale_heatmap(
+    history: History, path: str | Path, update_steps: Iterable[int] = (), title: str | None = None
+) -> Path:
+    """Layer × step heatmap of log2 gradient scales (the paper's Figure 3b); returns the PNG's path.
+
+    The colours diverge from white at 0 (a scale of 1), red above and blue below, one colour per
+    binade, every nonzero one at least a third saturated: -1, 0 and +1 stand apart on a range of
+    ±16. Grey cells are layers without a value at that step.
+
+    Args:
+        history: ``{step: {layer: log2 scale}}``.
+        path: the PNG to write.
+        update_steps: the steps whose backward decided the scales; the first column that shows an
+            update's scales is marked ▼ above the map.
+        title: the figure's title (say which run and precision); a generic one by default.
+    """
     steps, layers, matrix = history_matrix(history)
     fig = _figure(width=max(6.0, 0.35 * len(steps) + 3.0), height=_height(len(layers)))
     ax = fig.subplots()
-    image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", interpolation="nearest", cmap="viridis")
-    fig.colorbar(image, ax=ax, label="log2 scale")
+    cmap, norm, ticks = _diverging_binades(matrix)
+    image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    fig.colorbar(image, ax=ax, label="log2 scale", ticks=ticks)
+    columns = sorted({int(np.searchsorted(steps, step)) for step in update_steps} & set(range(len(steps))))
+    if columns:
+        ax.scatter(columns, [-0.5] * len(columns), marker="v", s=40, color="black", clip_on=False, zorder=3)
     ticks = _tick_positions(len(steps))
     ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
     ax.set_yticks(range(len(layers)), layers, fontsize=_label_size(len(layers)))
-    ax.set_xlabel("step")
+    ax.set_xlabel("step" + ("   (▼ the scales were updated since the previous column)" if columns else ""))
     ax.set_ylabel("layer (backward order)")
-    ax.set_title("Gradient scale per layer (log2)")
+    ax.set_title(title or "Gradient scale per layer (log2)", fontsize=10)
     return _save(fig, path)
+
+
+def _diverging_binades(matrix: np.ndarray) -> tuple[ListedColormap, BoundaryNorm, list[int]]:
+    """A colour per integer log2 scale over ±(the largest magnitude, at least 1): white at 0, then
+    from a third of the way to full red (above) or blue (below); the colour bar's ticks."""
+    finite = matrix[np.isfinite(matrix)]
+    reach = max(1, int(np.ceil(np.abs(finite).max()))) if finite.size else 1
+    levels = np.arange(-reach, reach + 1)
+    positions = 0.5 + np.sign(levels) * (1 / 6 + (1 / 3) * np.abs(levels) / reach)
+    colours = colormaps["RdBu_r"](positions)
+    colours[reach] = (1.0, 1.0, 1.0, 1.0)
+    cmap = ListedColormap(colours).with_extremes(bad="0.75")
+    norm = BoundaryNorm(np.arange(-reach - 0.5, reach + 1.0), ncolors=len(levels))
+    step = -(-len(levels) // 17)  # at most 17 labels, 0 among them
+    return cmap, norm, [int(level) for level in levels if level % step == 0]
 
 
 def plot_scale_mean_std(history: History, path: str | Path, totals: History | None = None) -> Path:

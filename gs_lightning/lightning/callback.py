@@ -62,18 +62,29 @@ class GradientScalingCallback(Callback):
     history as ``scale_history.csv``. With a ``WandbLogger`` (of ``lightning.pytorch`` or of
     ``pytorch_lightning``) the two figures are also logged as images and the history as one
     line-series chart per layer group. A logger other than W&B, TensorBoard or CSV gets the scalars,
-    and a note, once, that the plots are only in the log directory.
+    and a note, once, that the plots are only in the log directory. The heatmap's title names the
+    run and the precision plugin, and marks (▼) where updates decided new scales
+    (:attr:`update_steps`).
 
     With any other precision plugin it warns once and does nothing.
 
     Args:
         log_every_n_steps: Log every this many optimizer steps.
+        run_name: The run the plots' titles name; by default the logger's name and version, or
+            the Trainer's ``default_root_dir``.
+
+    Attributes:
+        update_steps: the optimizer steps whose backward decided the scales (the scaler's update
+            iterations), saved in checkpoints.
     """
 
-    def __init__(self, log_every_n_steps: int = 100) -> None:
+    def __init__(self, log_every_n_steps: int = 100, run_name: str | None = None) -> None:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"GradientScalingCallback: log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
+        self.run_name = run_name
+        self.update_steps: list[int] = []
+        self._updates_seen = 0
         self.history: dict[int, dict[str, float]] = {}
         self.totals: dict[int, dict[str, float]] = {}
         self.plot_paths: list[Path] = []
@@ -99,12 +110,16 @@ class GradientScalingCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # nonzero when resuming
+        self._updates_seen = self._scaler.update_iterations if self._scaler is not None else 0
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step, last = trainer.global_step, self._last_step
         self._last_step = step
+        if self._scaler is not None and self._scaler.update_iterations > self._updates_seen:
+            self._updates_seen = self._scaler.update_iterations
+            self.update_steps.append(step)
         # Crossing a multiple of N, not landing on one: several optimizers advance global_step by more than 1.
         if self._scaler is not None and step // self.log_every_n_steps > last // self.log_every_n_steps:
             self._record(trainer, self._scaler, step)
@@ -119,7 +134,7 @@ class GradientScalingCallback(Callback):
             return
         out = Path(log_dir if log_dir is not None else trainer.default_root_dir)
         self.plot_paths = [
-            plot_scale_heatmap(self.history, out / HEATMAP_FILE),
+            plot_scale_heatmap(self.history, out / HEATMAP_FILE, self.update_steps, title=self._title(trainer)),
             plot_scale_mean_std(self.history, out / MEAN_STD_FILE, totals=self.totals),
         ]
         self.history_path = save_scale_history(self.history, out / HISTORY_FILE)
@@ -138,11 +153,25 @@ class GradientScalingCallback(Callback):
         return {
             "history": {step: dict(scales) for step, scales in self.history.items()},
             "totals": {step: dict(scales) for step, scales in self.totals.items()},
+            "update_steps": list(self.update_steps),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = {int(step): dict(scales) for step, scales in state_dict["history"].items()}
         self.totals = {int(step): dict(scales) for step, scales in state_dict.get("totals", {}).items()}
+        self.update_steps = [int(step) for step in state_dict.get("update_steps", [])]
+
+    def _title(self, trainer: pl.Trainer) -> str:
+        """'<run>: <plugin> (<gradient format>[, emulated]), log2 gradient scale per layer'."""
+        run = self.run_name
+        logger = trainer.logger
+        if run is None and logger is not None and logger.name:
+            version = logger.version
+            run = logger.name if version is None else f"{logger.name}/{f'version_{version}' if isinstance(version, int) else version}"
+        plugin = trainer.precision_plugin
+        grads = f"{str(getattr(plugin, 'grad_dtype', 'float16')).removeprefix('torch.')} gradients"
+        emulated = ", emulated" if getattr(plugin, "emulate", False) is True else ""
+        return f"{run or trainer.default_root_dir}: {type(plugin).__name__} ({grads}{emulated}), log2 gradient scale per layer"
 
     def _record(self, trainer: pl.Trainer, scaler: GradientScaler, step: int) -> None:
         layers = scaler.layers()

@@ -219,3 +219,34 @@ def test_random_states_survive_a_weights_only_checkpoint(tmp_path: Path) -> None
 def test_log_every_n_steps_must_be_positive() -> None:
     with pytest.raises(ValueError, match="log_every_n_steps"):
         GradientScalingCallback(log_every_n_steps=0)
+
+
+def test_heatmap_marks_the_update_steps_and_names_the_run_and_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step whose backward decided the scales is in ``update_steps`` (and reaches the heatmap),
+    the first one at step 1; the title names the run and the precision plugin."""
+    drawn = {}
+
+    def heatmap(history, path, update_steps=(), title=None):
+        drawn.update(update_steps=list(update_steps), title=title)
+        return plot_scale_heatmap(history, path, update_steps, title)
+
+    monkeypatch.setattr("gs_lightning.lightning.callback.plot_scale_heatmap", heatmap)
+    torch.manual_seed(0)
+    plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=2, run_name="demo/gs/run")
+    fit(plugin, callback, 6, tmp_path, model=Classifier(hidden_layers=1), logger=CSVLogger(tmp_path))
+    assert callback.update_steps[0] == 1 and len(callback.update_steps) == plugin.scaler.update_iterations
+    assert callback.update_steps == sorted(set(callback.update_steps)) and drawn["update_steps"] == callback.update_steps
+    assert drawn["title"] == "demo/gs/run: GradientScalingPlugin (float16 gradients), log2 gradient scale per layer"
+    assert callback.state_dict()["update_steps"] == callback.update_steps
+
+
+def test_heatmap_colours_diverge_from_white_at_zero_one_per_binade() -> None:
+    """-1, 0 and +1 stand apart on a range of ±16: 0 white, +1 a clear red, -1 a clear blue."""
+    from gs_lightning.analysis.plots import _diverging_binades
+
+    cmap, norm, ticks = _diverging_binades(np.array([[16.0, -3.0], [np.nan, 0.0]]))
+    white, plus, minus, top = (np.array(cmap(norm(v))[:3]) for v in (0, 1, -1, 16))
+    assert white.tolist() == [1.0, 1.0, 1.0]
+    assert np.abs(plus - white).max() > 0.2 and np.abs(minus - white).max() > 0.2
+    assert plus[0] > plus[2] and minus[2] > minus[0] and top.sum() < plus.sum()  # red, blue, deeper further out
+    assert cmap(norm(2)) != cmap(norm(1)) and 0 in ticks and ticks == [-t for t in reversed(ticks)]

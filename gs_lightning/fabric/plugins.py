@@ -4,12 +4,16 @@
 ``fabric.backward(loss)`` through the plugin's scaler, and ``optimizer.step()`` only if the
 optimizer's gradients are finite. ``fabric.clip_gradients`` sees true gradients. The plugin is
 stateful: put it (or ``plugin.scaler``) in the state given to ``fabric.save`` / ``fabric.load``.
+
+``Fabric(strategy="fsdp")`` takes the ``FSDP...`` plugins (:class:`FSDPMixedPrecision`); DeepSpeed,
+which runs the backward and keeps a loss scale of its own, is refused (:func:`refuse_unsupported_parallelism`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager
+from importlib import import_module
 from typing import Any, Literal
 
 import torch
@@ -25,6 +29,71 @@ from gs_lightning.fabric.methods import (
     Scaler,
 )
 from gs_lightning.fabric.packages import FABRIC_PRECISIONS
+
+# Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
+_FABRIC_FSDP_PRECISIONS: tuple[type, ...] = tuple(import_module(cls.__module__.rpartition(".")[0]).FSDPPrecision for cls in FABRIC_PRECISIONS)
+
+# Wrappers whose engine runs the backward and the optimizer step with a loss scale of its own: the
+# plugins' scaled backward and skipped steps would bypass it (DeepSpeed's ZeRO reduction and overflow check).
+# Known by class name, so that detecting them needs no import of the library.
+_OWN_THE_BACKWARD = ("DeepSpeedStrategy", "DeepSpeedEngine")
+# Gradients that FSDP computes or reduces in these dtypes are already unscaled there: small ones flush.
+_FLUSHING_DTYPES = (torch.float16,)
+
+
+def refuse_unsupported_parallelism(plugin: object, *wrappers: object) -> None:
+    """Raise if a strategy or a wrapped model is one the plugin cannot scale gradients under.
+
+    Refused: DeepSpeed (its engine owns the backward and the fp16 loss scale), and FSDP
+    (``FullyShardedDataParallel``) whose ``MixedPrecision`` computes or reduces gradients in
+    float16: the plugin divides each gradient by its scale before FSDP reduces it, so in float16 the
+    small ones flush to zero.
+
+    Args:
+        plugin: The precision plugin (named in the message).
+        wrappers: Lightning strategies, or the modules a strategy wrapped (searched through ``.modules()``).
+
+    Raises:
+        RuntimeError: for DeepSpeed.
+        ValueError: for FSDP with a float16 ``param_dtype`` or ``reduce_dtype``.
+    """
+    name = type(plugin).__name__
+    for wrapper in wrappers:
+        owner = next((cls.__name__ for cls in type(wrapper).__mro__ if cls.__name__ in _OWN_THE_BACKWARD), None)
+        if owner is not None:
+            raise RuntimeError(
+                f"{name} cannot run under DeepSpeed ({owner}): its engine runs the backward and the step with a loss "
+                "scale of its own, which per-layer scaling would bypass; use DDP, FSDP (strategy='fsdp' with the "
+                "FSDP... plugins) or ModelParallelStrategy instead."
+            )
+        for module in wrapper.modules() if isinstance(wrapper, nn.Module) else ():
+            policy = module.mixed_precision if _is_fsdp1(module) else None
+            if policy is not None and (policy.param_dtype in _FLUSHING_DTYPES or policy.reduce_dtype in _FLUSHING_DTYPES):
+                raise ValueError(
+                    f"{name}: FSDP's MixedPrecision(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}) "
+                    "computes or reduces the gradients in float16 after they were unscaled, which flushes the small ones; "
+                    "leave both float32 (the plugin's mixed_precision_config: autocast computes in float16)."
+                )
+
+
+def _is_fsdp1(module: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel  # imports torch.distributed's FSDP machinery: only here
+
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def fp32_sharding_policy() -> Any:
+    """FSDP's ``MixedPrecision`` for the plugins: float32 sharded parameters, gradients and reductions.
+
+    Lightning's ``FSDPPrecision("16-mixed")`` asks FSDP for float16 parameters and reductions instead;
+    then every weight gradient is computed and reduced in float16 after the plugin unscaled it, and the
+    small ones flush. fp16 compute comes from autocast, as under DDP.
+    """
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
 
 class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
@@ -46,6 +115,7 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         self.device = device
         self._modules: list[nn.Module] = []
         self._scaler: Scaler | None = None
+        self._checked_wrappers: set[int] = set()  # ids of the strategy-wrapped models refuse_unsupported_parallelism passed
 
     @property
     def scaler(self) -> Scaler:
@@ -97,9 +167,17 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         return apply_to_collection(data, function=_to_dtype(torch.get_default_dtype()), dtype=torch.Tensor)
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """``scaler.scale(tensor).backward()``: per-layer scaled with gradient scaling, the scaled loss's otherwise."""
+        """``scaler.scale(tensor).backward()``: per-layer scaled with gradient scaling, the scaled loss's otherwise.
+
+        ``model`` is what the strategy made of the module (a DeepSpeed engine, an FSDP wrapper): one
+        this plugin cannot scale under is refused (:func:`refuse_unsupported_parallelism`).
+        """
+        if model is not None and id(model) not in self._checked_wrappers:
+            refuse_unsupported_parallelism(self, model)
+            self._checked_wrappers.add(id(model))
         with self.emulation():  # type: ignore[attr-defined]
-            super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
+            # Fabric's plain Precision.backward: an FSDPPrecision base (FSDPMixedPrecision) would scale once more.
+            FABRIC_PRECISIONS[0].backward(self, self.scaler.scale(tensor), model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step unless one of the optimizer's gradients is non-finite, then end the scaler's iteration."""
@@ -129,6 +207,27 @@ def _to_dtype(dtype: torch.dtype) -> Any:
     return convert
 
 
+class FSDPMixedPrecision(FP16MixedPrecision, *_FABRIC_FSDP_PRECISIONS):  # type: ignore[misc]
+    """Base of the Fabric plugins for ``Fabric(strategy="fsdp")``: an ``FSDPPrecision``, with fp16 autocast and a scaling method.
+
+    As :class:`FP16MixedPrecision`, except that FSDP gets :func:`fp32_sharding_policy` (float32
+    sharded parameters and reductions; Fabric's ``FSDPPrecision("16-mixed")`` would give float16
+    ones) and modules are created in float32 (``fabric.init_module``).
+
+    Args:
+        device: Device type for autocast; ``None``: the device type of the model's parameters.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(device)
+        self._desired_input_dtype = torch.float32  # FSDPPrecision's dtype for tensor_init_context and module_init_context
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """What FSDP is given: :func:`fp32_sharding_policy`."""
+        return fp32_sharding_policy()
+
+
 class GradientScalingPlugin(GradientScaling, FP16MixedPrecision):
     __doc__ = GradientScaling.__doc__
 
@@ -143,3 +242,21 @@ class LossScalingPlugin(LossScaling, FP16MixedPrecision):
 
 class FP16Plugin(NoScaling, FP16MixedPrecision):
     __doc__ = NoScaling.__doc__
+
+
+class FSDPGradientScalingPlugin(GradientScaling, FSDPMixedPrecision):
+    """:class:`GradientScalingPlugin` (the same options) for ``Fabric(strategy="fsdp")``: see :class:`FSDPMixedPrecision`."""
+
+
+class FSDPDynamicLossScalingPlugin(DynamicLossScaling, FSDPMixedPrecision):
+    """:class:`DynamicLossScalingPlugin` (the same options) for ``Fabric(strategy="fsdp")``, through torch's ``ShardedGradScaler``."""
+
+    def _build_scaler(self, module: nn.Module, device: str) -> Any:
+        return sharded_grad_scaler(device, self._options)
+
+
+def sharded_grad_scaler(device: str, options: dict[str, Any]) -> Any:
+    """torch's ``ShardedGradScaler``: ``GradScaler`` with the non-finite flag reduced across FSDP's ranks (each holds a shard)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device, **options)

@@ -1,4 +1,4 @@
-"""Lightning Trainer integration: fp16 precision plugins and the scale-logging callback.
+"""Lightning Trainer integration: fp16 precision plugins (``FSDP...`` ones for ``FSDPStrategy``) and the scale-logging callback.
 
 Works with ``lightning.pytorch`` and ``pytorch_lightning`` (whichever is installed, or both).
 """
@@ -8,6 +8,9 @@ from gs_lightning.lightning.plugins import (
     DynamicLossScalingPlugin,
     FP16MixedPrecision,
     FP16Plugin,
+    FSDPDynamicLossScalingPlugin,
+    FSDPGradientScalingPlugin,
+    FSDPMixedPrecision,
     GradientScalingPlugin,
     LossScalingPlugin,
 )
@@ -17,6 +20,9 @@ __all__ = [
     "DynamicLossScalingPlugin",
     "FP16MixedPrecision",
     "FP16Plugin",
+    "FSDPDynamicLossScalingPlugin",
+    "FSDPGradientScalingPlugin",
+    "FSDPMixedPrecision",
     "GradientScalingCallback",
     "GradientScalingPlugin",
     "LossScalingPlugin",

@@ -8,6 +8,10 @@ Every plugin here shares :class:`FP16MixedPrecision`; they differ only in how gr
 * :class:`LossScalingPlugin`: one fixed loss scale.
 * :class:`FP16Plugin`: no scaling at all.
 
+Lightning's ``FSDPStrategy`` takes only an ``FSDPPrecision``: :class:`FSDPGradientScalingPlugin` and
+:class:`FSDPDynamicLossScalingPlugin` are those (:class:`FSDPMixedPrecision`). DeepSpeed, which runs the
+backward and keeps a loss scale of its own, is refused at setup.
+
 Each works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``
 (:mod:`gs_lightning.lightning.packages`). With all of them ``.grad`` holds true gradients from
 ``on_before_optimizer_step`` on, so clipping and the hook see real values, and a step with a
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from importlib import import_module
 from typing import Any, Literal
 
 import torch
@@ -33,8 +38,12 @@ from gs_lightning.fabric.methods import (
     NoScaling,
     Scaler,
 )
+from gs_lightning.fabric.plugins import fp32_sharding_policy, refuse_unsupported_parallelism, sharded_grad_scaler
 from gs_lightning.lightning.packages import LIGHTNING_MODULES, PACKAGES, package_of
 from gs_lightning.lightning.schedulers import SkipAwareScheduler
+
+# Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
+_FSDP_PRECISIONS: tuple[type, ...] = tuple(import_module(f"{package.name}.plugins.precision").FSDPPrecision for package in PACKAGES)
 
 
 class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type: ignore[misc]
@@ -67,10 +76,18 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
             raise RuntimeError(f"{type(self).__name__}: the scaler is built when a Trainer connects the plugin (at fit).")
         return self._scaler
 
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Refuse a strategy that owns the backward (DeepSpeed); every strategy's setup calls this first."""
+        trainer = getattr(module, "_trainer", None)  # the LightningModule's Trainer, if it has one
+        if trainer is not None:
+            refuse_unsupported_parallelism(self, trainer.strategy)
+        return super().convert_module(module)
+
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """Find the autocast device, build the scaler once, and make the schedulers skip-aware."""
+        """Check the wrapped model, find the autocast device, build the scaler once, and make the schedulers skip-aware."""
+        refuse_unsupported_parallelism(self, model)
         self._autocast_device = self.device or _device_type(model)
         self.settle_emulation(self._autocast_device)  # type: ignore[attr-defined]
         if self._scaler is None:
@@ -142,6 +159,32 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
         self.scaler.load_state_dict(state_dict)
 
 
+class FSDPMixedPrecision(FP16MixedPrecision, *_FSDP_PRECISIONS):  # type: ignore[misc]
+    """Base of the plugins for Lightning's ``FSDPStrategy`` (FSDP1): an ``FSDPPrecision`` that scales as :class:`FP16MixedPrecision`.
+
+    FSDP gets :func:`~gs_lightning.fabric.plugins.fp32_sharding_policy` as its mixed-precision
+    config (float32 sharded parameters, gradients and reductions), where Lightning's
+    ``FSDPPrecision("16-mixed")`` gives float16 ones: the plugins unscale each gradient before FSDP
+    reduces it, and in float16 the small ones would flush. The fp16 compute is autocast's. The rest is
+    ``FSDPPrecision``'s: ``convert_module`` leaves the module as it is, inputs are cast to float32,
+    and ``gradient_clip_algorithm="norm"`` is refused (FSDP1 shards would need the root's
+    ``clip_grad_norm_``). A ``FSDPStrategy(mixed_precision=...)`` with float16 parameters or
+    reductions is refused at setup.
+
+    Args:
+        device: Device type for autocast; ``None``: the device type of the model's parameters.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(device)
+        self._desired_input_dtype = torch.float32  # FSDPPrecision's dtype for inputs and module/tensor init contexts
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """What ``FSDPStrategy`` gives FSDP: :func:`~gs_lightning.fabric.plugins.fp32_sharding_policy`."""
+        return fp32_sharding_policy()
+
+
 class GradientScalingPlugin(GradientScaling, FP16MixedPrecision):
     __doc__ = GradientScaling.__doc__
 
@@ -156,6 +199,17 @@ class LossScalingPlugin(LossScaling, FP16MixedPrecision):
 
 class FP16Plugin(NoScaling, FP16MixedPrecision):
     __doc__ = NoScaling.__doc__
+
+
+class FSDPGradientScalingPlugin(GradientScaling, FSDPMixedPrecision):
+    """:class:`GradientScalingPlugin` (the same options) for ``FSDPStrategy``: see :class:`FSDPMixedPrecision`."""
+
+
+class FSDPDynamicLossScalingPlugin(DynamicLossScaling, FSDPMixedPrecision):
+    """:class:`DynamicLossScalingPlugin` (the same options) for ``FSDPStrategy``, through torch's ``ShardedGradScaler``."""
+
+    def _build_scaler(self, module: nn.Module, device: str) -> Any:
+        return sharded_grad_scaler(device, self._options)
 
 
 def _lightning_module(model: nn.Module) -> nn.Module:

@@ -279,7 +279,7 @@ def _mean_std(values: list[float]) -> str:
 def _columns_named(row: dict[str, Any]) -> dict[str, str]:
     """Column titles readers know: the bench's field names made readable."""
     names = {"skipped_steps": "skipped steps", "underflow": "GEMM-gradient underflow", "seconds": "s / run",
-             "update_iterations": "GS update iterations"}
+             "update_iterations": "GS update iterations", "oracle_underflow": "oracle underflow"}
     return {k: names.get(k, k.replace("_", " ")) for k in row}
 
 
@@ -417,7 +417,9 @@ PAGES = (
          "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
          "produces rounded to that fp8 format. *GEMM-gradient underflow*: of each gradient a backward GEMM "
          "produces, the fraction of its nonzero exact values that rounding made zero, averaged over tensors and "
-         "steps. *GS update iterations*: backwards that decided the scales (the others replayed them). "
+         "steps; *oracle underflow*: the same for the best power-of-two scale of each tensor, chosen with "
+         "hindsight and without overflow (what no method that scales whole tensors can beat). "
+         "*GS update iterations*: backwards that decided the scales (the others replayed them). "
          "Times are wall clock on the machine named, which may have been shared. Generated datasets and short "
          "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
          "runs measure."),

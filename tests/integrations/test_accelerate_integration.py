@@ -112,6 +112,18 @@ def test_fp16_autocast_on_cpu_where_accelerate_trains_fp32(install: str) -> None
     assert run.scaler.iteration == 2
 
 
+def test_unwrap_model_removes_the_autocast_added_after_prepare() -> None:
+    model = make_model()
+    dtypes = OutputDtypes(model[0])
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    prepared = accelerator.prepare(model)
+    install_gradient_scaler(accelerator, GradientScaler(model))
+    prepared(DATA.tensors[0][:4])
+    assert dtypes.seen == {torch.float16}
+    accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)(DATA.tensors[0][:4])  # as save_model unwraps
+    assert dtypes.seen == {torch.float16, torch.float32}
+
+
 def test_without_the_helper_accelerate_trains_fp32_on_cpu() -> None:
     model = make_model()
     dtypes = OutputDtypes(model[0])

@@ -418,7 +418,7 @@ PAGES = (
          "produces rounded to that fp8 format. *GEMM-gradient underflow*: of each gradient a backward GEMM "
          "produces, the fraction of its nonzero exact values that rounding made zero, averaged over tensors and "
          "steps; *oracle underflow*: the same for the best power-of-two scale of each tensor, chosen with "
-         "hindsight and without overflow (what no method that scales whole tensors can beat). "
+         "hindsight and without overflow (what no power-of-two scale per tensor can beat). "
          "*GS update iterations*: backwards that decided the scales (the others replayed them). "
          "Times are wall clock on the machine named, which may have been shared. Generated datasets and short "
          "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "

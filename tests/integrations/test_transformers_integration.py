@@ -5,7 +5,6 @@ and ``hyperparameter_search``."""
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -218,6 +217,12 @@ def test_fp16_is_required(tmp_path: Path) -> None:
         make_trainer(tmp_path, fp16=False)
 
 
-def test_make_gradient_scaler_settings_reach_the_scaler(tmp_path: Path) -> None:
-    trainer, _ = make_trainer(tmp_path, functools.partial(GradientScaler, underflow_rate=1e-4, update_interval=7))
-    assert (trainer.gradient_scaler.recipe.underflow_rate, trainer.gradient_scaler.recipe.update_interval) == (1e-4, 7)
+def test_make_gradient_scaler_makes_the_scaler_in_use(tmp_path: Path) -> None:
+    made: list[GradientScaler] = []
+
+    def make_scaler(model: Any) -> GradientScaler:
+        made.append(GradientScaler(model, underflow_rate=1e-4))
+        return made[-1]
+
+    trainer, _ = make_trainer(tmp_path, make_scaler)
+    assert trainer.gradient_scaler is made[-1] is trainer.accelerator.scaler

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import json
 import logging
+import math
 import pickle
 import re
 import shlex
 import shutil
 import sys
 import textwrap
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,12 +34,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, InstantiationException, OverrideParseException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
 from gs_lightning.data.synthetic import generated_dataset
 from gs_lightning.lightning.callback import GradientScalingCallback, InterruptCheckpoint, ResumeCallback, finished_epochs
+from gs_lightning.lightning.plugins import FP16MixedPrecision
 from gs_lightning.scaling.scaler import GradientScaler
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,11 @@ _SCALE_TABLE_HELP = (
     "fp16 (target 1e-3; a cast before the loss can stay near 0.1: its values span more than fp16's "
     "range, the paper's §5.4). The plots show the same over the run."
 )
+
+
+# Each run's final numbers (write_results), and a multirun's table of them (RunComparison).
+RESULTS_FILE = "results.json"
+COMPARISON_FILE = "comparison.md"
 
 
 class AppError(Exception):
@@ -174,6 +185,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     Bad input, a checkpoint that cannot be resumed included, exits with one line on stderr.
     """
     _quiet_lightning()
+    started = time.monotonic()
     try:
         built = build(cfg)
         _say_where_the_data_comes_from(built.datamodule, cfg)
@@ -197,6 +209,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         _remove_empty_run_directory(Path(cfg.paths.output_dir))
         sys.exit(f"error: {_data_root_hint(error, cfg)}")
     if built.trainer.is_global_zero:
+        write_results(built.trainer, metrics, Path(cfg.paths.output_dir), time.monotonic() - started)
         log.info(summary(built.trainer, metrics, cfg))
     try:
         objective(cfg, metrics)
@@ -243,8 +256,82 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
         lines += textwrap.wrap(_SCALE_TABLE_HELP, width=100)
         ended_skipping = textwrap.wrap(_skipped_at_the_end(scaler), width=100)
         lines += ["", *ended_skipping] if ended_skipping else []
+    callback = _scale_callback(trainer)
+    if callback is not None and callback.loss_scale is not None:
+        lines += [
+            "",
+            f"Loss scale at the end: 2^{math.log2(callback.loss_scale):g} ({type(scaler).__name__}); "
+            f"{callback.skipped_steps} of {trainer.global_step} steps skipped (non-finite gradients)",
+        ]
     lines += ["", *_where(trainer, cfg)]
     return "\n".join(lines)
+
+
+def write_results(trainer: L.Trainer, metrics: dict[str, float], run_dir: Path, wall_s: float) -> Path:
+    """``<run_dir>/results.json``: the run's final metrics, steps, skipped steps, loss scale (loss-scaling
+    plugins) and wall time, for :class:`RunComparison` and scripts."""
+    callback = _scale_callback(trainer)
+    results = {
+        "recipe": _choice("recipe"),
+        "precision": _choice("precision") or _precision_name(trainer),
+        "job": HydraConfig.get().job.num if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN else None,
+        "metrics": {name: value for name, value in sorted(metrics.items()) if "/" in name},
+        "steps": trainer.global_step,
+        "skipped_steps": callback.skipped_steps if callback is not None else None,
+        "loss_scale": callback.loss_scale if callback is not None else None,
+        "wall_s": round(wall_s, 1),
+    }
+    path = run_dir / RESULTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
+
+
+def comparison_table(sweep_dir: Path) -> str:
+    """A Markdown table of the runs of a multirun's folder (every subfolder Hydra made, by job number):
+    final metrics, steps, skipped steps and wall time from each ``results.json``; '' without runs."""
+    runs = []
+    for folder in (d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()):
+        results = json.loads((folder / RESULTS_FILE).read_text()) if (folder / RESULTS_FILE).is_file() else None
+        runs.append((folder.name, results))
+    if not runs:
+        return ""
+    runs.sort(key=lambda run: (run[1] is None, (run[1] or {}).get("job") or 0, run[0]))
+    names = sorted({name for _, results in runs if results for name in results["metrics"]})
+    header = ["run", "precision", *names, "steps", "skipped steps", "wall (s)"]
+    rows = []
+    for folder, results in runs:
+        if results is None:
+            rows.append([folder, "", *[""] * len(names), "", "", "no results.json: failed, or nothing to train"])
+            continue
+        values = [f"{results['metrics'][name]:.4f}" if name in results["metrics"] else "" for name in names]
+        skipped = results["skipped_steps"]
+        rows.append([folder, results["precision"], *values, str(results["steps"]), "-" if skipped is None else str(skipped), f"{results['wall_s']:.1f}"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+class RunComparison(Callback):
+    """Hydra callback (``hydra.callbacks``): a multirun (``-m``) ends with one table of its runs' final
+    metrics, skipped steps and wall time, printed and written to ``<sweep dir>/comparison.md``."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        table = comparison_table(sweep_dir) if sweep_dir.is_dir() else ""
+        if table:
+            (sweep_dir / COMPARISON_FILE).write_text(table + "\n")
+            # print, not log: after the sweep the logging handlers are still the last job's (its train.log)
+            print(f"\nThe runs of {sweep_dir}:\n{table}\n(also in {sweep_dir / COMPARISON_FILE})")
+
+
+def _precision_name(trainer: L.Trainer) -> str:
+    """One of our plugins by its class name, Lightning's own precision by its flag ("32-true")."""
+    plugin = trainer.precision_plugin
+    return type(plugin).__name__ if isinstance(plugin, FP16MixedPrecision) else str(trainer.precision)
+
+
+def _scale_callback(trainer: L.Trainer) -> GradientScalingCallback | None:
+    return next((c for c in trainer.callbacks if isinstance(c, GradientScalingCallback)), None)
 
 
 def _skipped_at_the_end(scaler: GradientScaler) -> str:
@@ -410,7 +497,12 @@ def _run_label(run_dir: Path) -> str:
 
 def _recipe_name() -> str | None:
     """The ``recipe=`` choice of the running Hydra app (None when composed without it, as tests do)."""
-    return HydraConfig.get().runtime.choices.get("recipe") if HydraConfig.initialized() else None
+    return _choice("recipe")
+
+
+def _choice(group: str) -> str | None:
+    """The running Hydra app's choice of a config group (None when composed without Hydra, as tests do)."""
+    return HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
 
 
 # What a run directory holds before anything was trained: Hydra's files and the logger's hyperparameters.
@@ -446,6 +538,9 @@ def _where(trainer: L.Trainer, cfg: DictConfig | None) -> list[str]:
     logs = getattr(trainer.logger, "log_dir", None) or getattr(trainer.logger, "save_dir", None)  # not trainer.log_dir: a collective call
     if logs is not None:
         places.append(("Logs", Path(logs).resolve()))
+    results = Path(trainer.default_root_dir) / RESULTS_FILE
+    if results.is_file():
+        places.append(("Results", results.resolve()))
     log_file = Path(trainer.default_root_dir) / "train.log"
     if log_file.is_file():
         places.append(("Log", log_file.resolve()))

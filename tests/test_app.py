@@ -4,6 +4,7 @@ SIGKILL resumes to the very weights of an uninterrupted one; bad input stops wit
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,11 +21,12 @@ from conftest import Classifier, loader, make_trainer
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.imports import RequirementCache
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning import GradientScalingPlugin
 from gs_lightning.app import (
     AppError,
+    RunComparison,
     _say_how_fp16_runs,
     build,
     objective,
@@ -493,6 +495,29 @@ def test_ctrl_c_saves_the_interrupted_step_and_says_how_to_resume(tmp_path: Path
     assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 9
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     assert resumed["train/loss"] == straight["train/loss"]
+
+
+def test_each_run_writes_its_results_and_a_multirun_ends_with_one_table(tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture) -> None:
+    """Runs in a sweep folder as Hydra makes them (gs, dynamic, fp32, and one that failed): each run
+    writes results.json (a dynamic run: its loss scale and skipped steps, also in its summary), and
+    the multirun's end prints one table of them all and writes it to comparison.md."""
+    sweep = tmp_path / "sweep"
+    for num, precision in enumerate(["gs", "dynamic", "fp32"]):
+        (sweep / f"demo-{precision}-{num}" / ".hydra").mkdir(parents=True)
+        with caplog.at_level("INFO", logger="gs_lightning.app"):
+            run(_demo_like(sweep / f"demo-{precision}-{num}", tmp_path, f"precision={precision}", "trainer.max_steps=2", "test=false"))
+    (sweep / "demo-fixed-3" / ".hydra").mkdir(parents=True)
+    assert "Loss scale at the end: 2^16 (GradScaler); 0 of 2 steps skipped (non-finite gradients)" in caplog.text
+    dynamic = json.loads((sweep / "demo-dynamic-1" / "results.json").read_text())
+    assert (dynamic["precision"], dynamic["steps"], dynamic["skipped_steps"], dynamic["loss_scale"]) == ("DynamicLossScalingPlugin", 2, 0, 65536.0)
+    assert set(dynamic["metrics"]) == {"train/loss"} and dynamic["wall_s"] > 0
+
+    RunComparison().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    table = (sweep / "comparison.md").read_text().splitlines()
+    assert table[0] == "| run | precision | train/loss | steps | skipped steps | wall (s) |"
+    assert [row.split(" | ")[:2] for row in table[2:]] == [["| demo-dynamic-1", "DynamicLossScalingPlugin"], ["| demo-fp32-2", "32-true"], ["| demo-gs-0", "GradientScalingPlugin"], ["| demo-fixed-3", ""]]
+    assert [row.split(" | ")[4] for row in table[2:5]] == ["0", "-", "0"] and "no results.json" in table[5]
+    assert "\n".join(table) in capsys.readouterr().out
 
 
 def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> None:

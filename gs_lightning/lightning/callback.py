@@ -28,7 +28,7 @@ from gs_lightning.analysis.plots import (
     save_scale_history,
 )
 from gs_lightning.lightning.packages import KNOWN_LOGGERS, WANDB_LOGGERS
-from gs_lightning.lightning.plugins import GradientScalingPlugin
+from gs_lightning.lightning.plugins import FP16MixedPrecision, GradientScalingPlugin
 from gs_lightning.scaling import GradientScaler
 
 HEATMAP_FILE = "scale_heatmap.png"
@@ -66,7 +66,12 @@ class GradientScalingCallback(Callback):
     run and the precision plugin, and marks (▼) where updates decided new scales
     (:attr:`update_steps`).
 
-    With any other precision plugin it warns once and does nothing.
+    With a loss-scaling plugin (:class:`DynamicLossScalingPlugin`'s ``GradScaler``,
+    :class:`LossScalingPlugin`, :class:`FP16Plugin`) it logs ``gs/loss_scale`` (log2 of the scaler's
+    ``get_scale()``) and ``gs/skipped_steps`` (the optimizer steps the plugin did not take for
+    non-finite gradients: a backward ran and the optimizer did not step) at the same steps, and
+    keeps both as :attr:`loss_scale` and :attr:`skipped_steps`. With any other precision plugin it
+    warns once and does nothing.
 
     Args:
         log_every_n_steps: Log every this many optimizer steps.
@@ -90,23 +95,63 @@ class GradientScalingCallback(Callback):
         self.plot_paths: list[Path] = []
         self.history_path: Path | None = None
         self._scaler: GradientScaler | None = None
+        self._loss_scaler: Any = None  # a loss-scaling plugin's scaler (GradScaler's interface)
+        self._skips = 0  # steps the loss-scaling plugin skipped
+        self._backward_ran = False  # since the last optimizer step
+        self._step_due = False  # a step was due and the optimizer has not taken it yet
+        self._step_hooks: list[Any] = []
         self._last_step = 0
+        self._loss_scale_logged = -1
         self._warned = False
         self._noted_loggers: set[type] = set()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The plugin builds its scaler when the strategy connects it, which precedes this hook.
         plugin = trainer.precision_plugin
-        if isinstance(plugin, GradientScalingPlugin):
-            self._scaler = plugin.scaler
-        else:
-            self._scaler = None
-            if not self._warned:
-                self._warned = True
-                rank_zero_warn(
-                    f"GradientScalingCallback: the precision plugin is {type(plugin).__name__}, not "
-                    "GradientScalingPlugin; there are no gradient scales to log."
-                )
+        self._scaler = plugin.scaler if isinstance(plugin, GradientScalingPlugin) else None
+        self._loss_scaler = plugin.scaler if isinstance(plugin, FP16MixedPrecision) and self._scaler is None else None
+        if self._loss_scaler is not None:
+            self._step_hooks = [optimizer.register_step_post_hook(self._optimizer_stepped) for optimizer in trainer.optimizers]
+        elif self._scaler is None and not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                f"GradientScalingCallback: the precision plugin is {type(plugin).__name__}, which scales no "
+                "gradients; there is nothing to log."
+            )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+
+    @property
+    def skipped_steps(self) -> int | None:
+        """Optimizer steps skipped for non-finite gradients so far: the GradientScaler's count, or the
+        steps a loss-scaling plugin did not take; None with another plugin (or before a fit)."""
+        if self._scaler is not None:
+            return self._scaler.skipped_steps
+        return self._skips if self._loss_scaler is not None else None
+
+    @property
+    def loss_scale(self) -> float | None:
+        """A loss-scaling plugin's current loss scale (``get_scale()``); None with another plugin."""
+        return float(self._loss_scaler.get_scale()) if self._loss_scaler is not None else None
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._backward_ran = True
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # Called after the backward (and unscaling), before the plugin steps or skips.
+        self._count_skip()  # an earlier optimizer of the same batch (manual optimization)
+        self._step_due, self._backward_ran = self._backward_ran and self._loss_scaler is not None, False
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._step_due = False
+
+    def _count_skip(self) -> None:
+        if self._step_due:
+            self._skips += 1
+            self._step_due = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # nonzero when resuming
@@ -115,16 +160,22 @@ class GradientScalingCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._count_skip()
         step, last = trainer.global_step, self._last_step
         self._last_step = step
         if self._scaler is not None and self._scaler.update_iterations > self._updates_seen:
             self._updates_seen = self._scaler.update_iterations
             self.update_steps.append(step)
         # Crossing a multiple of N, not landing on one: several optimizers advance global_step by more than 1.
-        if self._scaler is not None and step // self.log_every_n_steps > last // self.log_every_n_steps:
-            self._record(trainer, self._scaler, step)
+        if step // self.log_every_n_steps > last // self.log_every_n_steps:
+            if self._scaler is not None:
+                self._record(trainer, self._scaler, step)
+            elif self._loss_scaler is not None:
+                self._record_loss_scale(trainer, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loss_scaler is not None and trainer.global_step != self._loss_scale_logged:
+            self._record_loss_scale(trainer, trainer.global_step)
         if self._scaler is None:
             return
         if trainer.global_step not in self.history:
@@ -154,12 +205,14 @@ class GradientScalingCallback(Callback):
             "history": {step: dict(scales) for step, scales in self.history.items()},
             "totals": {step: dict(scales) for step, scales in self.totals.items()},
             "update_steps": list(self.update_steps),
+            "skipped_steps": self._skips,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = {int(step): dict(scales) for step, scales in state_dict["history"].items()}
         self.totals = {int(step): dict(scales) for step, scales in state_dict.get("totals", {}).items()}
         self.update_steps = [int(step) for step in state_dict.get("update_steps", [])]
+        self._skips = int(state_dict.get("skipped_steps", 0))
 
     def _title(self, trainer: pl.Trainer) -> str:
         """'<run>: <plugin> (<gradient format>[, emulated]), log2 gradient scale per layer'."""
@@ -172,6 +225,12 @@ class GradientScalingCallback(Callback):
         grads = f"{str(getattr(plugin, 'grad_dtype', 'float16')).removeprefix('torch.')} gradients"
         emulated = ", emulated" if getattr(plugin, "emulate", False) is True else ""
         return f"{run or trainer.default_root_dir}: {type(plugin).__name__} ({grads}{emulated}), log2 gradient scale per layer"
+
+    def _record_loss_scale(self, trainer: pl.Trainer, step: int) -> None:
+        self._loss_scale_logged = step
+        metrics = {"gs/loss_scale": math.log2(self.loss_scale), "gs/skipped_steps": float(self._skips)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
     def _record(self, trainer: pl.Trainer, scaler: GradientScaler, step: int) -> None:
         layers = scaler.layers()

@@ -20,7 +20,7 @@ from lightning_packages import on_package
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from gs_lightning import FP16Plugin, GradientScalingCallback, GradientScalingPlugin
+from gs_lightning import DynamicLossScalingPlugin, FP16Plugin, GradientScalingCallback, GradientScalingPlugin
 from gs_lightning.analysis import (
     history_layers,
     history_matrix,
@@ -102,15 +102,33 @@ def test_history_continues_after_resume(tmp_path: Path) -> None:
     assert sorted(resumed.history) == [2, 4, 6, 8]
 
 
-def test_other_plugins_warn_once_and_log_nothing(tmp_path: Path) -> None:
+def test_plugins_that_scale_nothing_warn_once_and_log_nothing(tmp_path: Path) -> None:
     callback = GradientScalingCallback(log_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            fit(FP16Plugin(), callback, 2, tmp_path, logger=CSVLogger(tmp_path))
+            fit(None, callback, 2, tmp_path, logger=CSVLogger(tmp_path))
     assert len([w for w in caught if "GradientScalingCallback" in str(w.message)]) == 1
-    assert callback.history == {} and callback.plot_paths == []
+    assert callback.history == {} and callback.plot_paths == [] and callback.skipped_steps is None
     assert not list(tmp_path.rglob("*.png"))
+
+
+@pytest.mark.parametrize(("plugin", "scales"), [(DynamicLossScalingPlugin, [16.0, 15.0, 15.0]), (FP16Plugin, [0.0, 0.0, 0.0])])
+def test_loss_scaling_plugins_log_the_loss_scale_and_the_skipped_steps(plugin, scales: list[float], tmp_path: Path) -> None:
+    """GradScaler halves its scale on step 2's inf loss and the step is skipped (the weights stay); the
+    CSV has gs/loss_scale (log2) and gs/skipped_steps at steps 2, 4 and the end; no plots."""
+    torch.manual_seed(0)
+    callback, logger = GradientScalingCallback(log_every_n_steps=2), CSVLogger(tmp_path)
+    trainer = fit(plugin(), callback, 5, tmp_path, model=Classifier(inf_steps=(2,), hidden_layers=1), logger=logger)
+    assert callback.skipped_steps == 1 and callback.loss_scale == 2.0 ** scales[-1]
+    assert callback.loss_scale == trainer.precision_plugin.scaler.get_scale()
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("gs/loss_scale")]
+    assert [(int(row["step"]), float(row["gs/loss_scale"]), float(row["gs/skipped_steps"])) for row in rows] == [
+        (step, scale, skipped) for step, scale, skipped in zip([2, 4, 5], scales, [0.0, 1.0, 1.0])
+    ]
+    assert callback.history == {} and not list(tmp_path.rglob("*.png"))
+    assert callback.state_dict()["skipped_steps"] == 1
 
 
 def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Path, monkeypatch, lightning_package: str) -> None:

@@ -84,7 +84,7 @@ def plot_scale_heatmap(
     ax.set_yticks(range(len(layers)), layers, fontsize=_label_size(len(layers)))
     ax.set_xlabel("step" + ("   (▼ the scales were updated since the previous column)" if columns else ""))
     ax.set_ylabel("layer (backward order)")
-    ax.set_title(title or "Gradient scale per layer (log2)", fontsize=10)
+    ax.set_title(title or "Gradient scale per layer (log2)", fontsize=9, pad=10 if columns else 6)  # clear of the ▼
     return _save(fig, path)
 
 

@@ -215,7 +215,7 @@ class GradientScalingCallback(Callback):
         self._skips = int(state_dict.get("skipped_steps", 0))
 
     def _title(self, trainer: pl.Trainer) -> str:
-        """'<run>: <plugin> (<gradient format>[, emulated]), log2 gradient scale per layer'."""
+        """'<run>' over '<plugin> (<gradient format>[, emulated]): log2 gradient scale per layer'."""
         run = self.run_name
         logger = trainer.logger
         if run is None and logger is not None and logger.name:
@@ -224,7 +224,7 @@ class GradientScalingCallback(Callback):
         plugin = trainer.precision_plugin
         grads = f"{str(getattr(plugin, 'grad_dtype', 'float16')).removeprefix('torch.')} gradients"
         emulated = ", emulated" if getattr(plugin, "emulate", False) is True else ""
-        return f"{run or trainer.default_root_dir}: {type(plugin).__name__} ({grads}{emulated}), log2 gradient scale per layer"
+        return f"{run or trainer.default_root_dir}\n{type(plugin).__name__} ({grads}{emulated}): log2 gradient scale per layer"
 
     def _record_loss_scale(self, trainer: pl.Trainer, step: int) -> None:
         self._loss_scale_logged = step

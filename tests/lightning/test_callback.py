@@ -254,7 +254,7 @@ def test_heatmap_marks_the_update_steps_and_names_the_run_and_precision(tmp_path
     fit(plugin, callback, 6, tmp_path, model=Classifier(hidden_layers=1), logger=CSVLogger(tmp_path))
     assert callback.update_steps[0] == 1 and len(callback.update_steps) == plugin.scaler.update_iterations
     assert callback.update_steps == sorted(set(callback.update_steps)) and drawn["update_steps"] == callback.update_steps
-    assert drawn["title"] == "demo/gs/run: GradientScalingPlugin (float16 gradients), log2 gradient scale per layer"
+    assert drawn["title"] == "demo/gs/run\nGradientScalingPlugin (float16 gradients): log2 gradient scale per layer"
     assert callback.state_dict()["update_steps"] == callback.update_steps
 
 

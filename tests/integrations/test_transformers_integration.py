@@ -226,3 +226,4 @@ def test_make_gradient_scaler_makes_the_scaler_in_use(tmp_path: Path) -> None:
 
     trainer, _ = make_trainer(tmp_path, make_scaler)
     assert trainer.gradient_scaler is made[-1] is trainer.accelerator.scaler
+    assert trainer.gradient_scaler.recipe.underflow_rate == 1e-4

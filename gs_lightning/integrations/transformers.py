@@ -39,7 +39,8 @@ class GradientScalingMixin:
         make_gradient_scaler: keyword only; called with the model (``None`` while ``model_init``
             has not made one yet). Default :class:`~gs_lightning.GradientScaler`; for other
             settings ``functools.partial(GradientScaler, underflow_rate=1e-4)``.
-        *args, **kwargs: the ``Trainer``'s. ``TrainingArguments(fp16=True)`` is required.
+        *args: the ``Trainer``'s positional arguments.
+        **kwargs: the ``Trainer``'s keyword arguments. ``TrainingArguments(fp16=True)`` is required.
 
     Raises:
         ValueError: if the ``TrainingArguments`` do not ask for fp16 (``fp16=True``).

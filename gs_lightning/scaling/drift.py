@@ -1,8 +1,9 @@
 """Between scale updates: how far the weight gradients drifted, how large they were, and which layers overflowed.
 
-All three come from the largest magnitude of each deferred weight gradient, taken right after the
-fused unscale (:func:`largest_magnitudes`, no synchronisation) and read in the one
-synchronisation ``step()`` already makes for its found-inf flag.
+All three come from the largest magnitude of each deferred weight gradient, taken by the pass
+``step()`` (or ``unscale_``) makes over the gradients it uses (:func:`largest_magnitudes`: the
+same values tell whether each is finite) and read in its one synchronisation: before any edit where
+the loop unscales before it clips, as GradScaler loops, Lightning, Accelerate and timm do.
 
 * **Drift.** The scales an update chose are the smallest that meet γ' for the gradients of that
   iteration. When the gradients of a scale group (the weight gradients that carry one
@@ -139,13 +140,13 @@ class GradientDrift:
     _update: bool = field(default=False, repr=False)
 
     def measure(self, alpha: int, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
-        """Queue the largest magnitudes of one scale group's (already unscaled) gradients; nothing is read yet."""
-        self._pending.append((alpha, leaves, largest_magnitudes(grads)))
+        """Queue one scale group's (already unscaled) gradients, whose largest magnitudes the step reads."""
+        self._pending.append((alpha, leaves, grads))
         self._update = self._update or update
 
     def pending(self) -> list[torch.Tensor]:
-        """The queued statistics (0-dim tensors), to read in the step's synchronisation."""
-        return [norm for _, _, norms in self._pending for norm in norms]
+        """The queued gradients, in the order :meth:`read` takes their largest magnitudes."""
+        return [grad for _, _, grads in self._pending for grad in grads]
 
     def read(self, values: list[float]) -> DriftReading:
         """Consume the queued maxima, given their values in :meth:`pending`'s order."""
@@ -312,19 +313,31 @@ class GradientDrift:
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
 
 
-def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each gradient's largest magnitude, as 0-dim tensors on its device, nothing read.
+def largest_magnitudes(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each dense gradient's largest magnitude, in one vector on the first one's device, nothing read: inf or
+    NaN exactly where the gradient holds one (the reductions propagate NaN), so the same values check it.
 
-    One fused ``_foreach_norm(ord=inf)`` on a GPU. On a CPU that norm is an unvectorised loop (68 ms
-    over ResNet-50's 161 gradients against 4.6 ms for the L2 norm, one thread): there, each
-    gradient's ``aminmax`` (4.9 ms) and one reduction of them all.
+    One fused ``_foreach_norm(ord=inf)`` per device on a GPU. On a CPU that norm is an unvectorised
+    loop (68 ms over ResNet-50's 161 gradients against 4.6 ms for the L2 norm, one thread): there,
+    each gradient's ``aminmax`` (4.9 ms) and one reduction of them all.
     """
-    if grads[0].device.type != "cpu":
-        return list(torch._foreach_norm(grads, math.inf))
-    extremes = [v for g in grads for v in (torch.aminmax(g) if g.numel() else (g.new_zeros(()),) * 2)]
-    if len({v.dtype for v in extremes}) > 1:
-        extremes = [v.float() for v in extremes]
-    return list(torch.stack(extremes).view(-1, 2).abs().amax(dim=1).unbind())
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for k, grad in enumerate(grads):
+        by_device[grad.device].append(k)
+    parts, order = [], []
+    for device, positions in by_device.items():
+        group = [grads[k] for k in positions]
+        if device.type != "cpu":
+            part = torch.stack(torch._foreach_norm(group, math.inf)).float()
+        else:
+            extremes = [v for g in group for v in (torch.aminmax(g) if g.numel() else (g.new_zeros(()),) * 2)]
+            part = torch.stack([v.float() for v in extremes] if len({v.dtype for v in extremes}) > 1 else extremes).view(-1, 2).abs().amax(dim=1).float()
+        parts.append(part.to(grads[0].device))
+        order += positions
+    if len(parts) == 1:
+        return parts[0]
+    merged = torch.cat(parts)
+    return merged[torch.tensor(order, device=merged.device).argsort()]
 
 
 def _largest(values: list[float]) -> float:
@@ -342,12 +355,11 @@ def _shrink_log2(norm: float, reference: float) -> float:
 
 
 def unscale_and_measure(leaves: Iterable[tuple[int, torch.Tensor, int]], drift: GradientDrift | None, update: bool) -> None:
-    """Divide each leaf's ``.grad`` by ``2^alpha`` and queue each gradient's largest magnitude.
+    """Divide each leaf's ``.grad`` by ``2^alpha`` and queue it for ``drift``.
 
     ``leaves`` holds (leaf index, leaf variable, alpha). One fused multiply per scale, device and
-    dtype (none where alpha is 0); with ``drift``, each gradient's largest magnitude on top
-    (:func:`largest_magnitudes`), measured here, as the backward left it, before clipping or any
-    other edit. Nothing is checked (``step`` reads every gradient it uses) or synchronised.
+    dtype (none where alpha is 0). Nothing is read: the step's pass over the gradients it uses takes
+    their largest magnitudes, the queued ones' included (:meth:`GradientDrift.pending`).
     """
     by_alpha: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for j, variable, alpha in leaves:

@@ -9,7 +9,8 @@ gradient as the node used it and the operand it saved (references, nothing copie
 step), and an update bounds such a GEMM by the level of its weight gradients and only a share of
 their spikes (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.recomputed_spike_share`). When a step finds
 non-finite gradients and each is a parameter gradient of such a GEMM that received a finite gradient
-(it overflowed there, by itself), each is recomputed in fp32 from what was kept, at its true scale,
+and whose value at the scale it carried exceeds λmax (it overflowed there, by itself, not in user
+code that edited ``.grad``), each is recomputed in fp32 from what was kept, at its true scale,
 and the step goes on; anything else (a gradient computed from a non-finite one, anywhere) skips it
 as before. What the GEMM sent on came from the finite incoming gradient and stands.
 
@@ -20,6 +21,8 @@ format that overflows, and not where a ``torch.compile``'d module replays the sc
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -128,7 +131,8 @@ class _Kept:
 class WeightGradRecompute:
     """What the replays of the loss's graph keep, and the recomputation it allows (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lambda_max: float = math.inf) -> None:
+        self.lambda_max = lambda_max  # of the format the GEMMs computed the weight gradients in
         self._kept: dict[int, _Kept] = {}
         self._replayed: tuple[AutogradGraph, ScalePlan] | None = None
 
@@ -164,7 +168,9 @@ class WeightGradRecompute:
         """Leaf index -> (parameter, its true fp32 gradient), for each of ``leaves``, the non-finite gradients of
         the last replay; ``None`` unless each is a parameter gradient of a GEMM that kept its operands and
         received a finite gradient (so that it overflowed there, and what it sent on was computed from
-        finite values). Synchronises once, to read the incoming gradients' finiteness."""
+        finite values), and whose recomputed value at the scale it carried exceeds ``lambda_max`` (the
+        backward's own overflow: an inf written into ``.grad`` by user code is no such thing).
+        Synchronises twice: the incoming gradients' finiteness, then the recomputed maxima."""
         if self._replayed is None:
             return None
         graph, plan = self._replayed
@@ -175,7 +181,7 @@ class WeightGradRecompute:
         received = [self._kept[i].grad for i in {owner[j][0] for j in leaves}]
         if not bool(torch.stack([torch.isfinite(g).all() for g in received]).all()):
             return None
-        grads = {}
+        grads, scaled_maxima = {}, []
         with torch.no_grad():
             for j in leaves:
                 i, p = owner[j]
@@ -183,9 +189,13 @@ class WeightGradRecompute:
                 operands = {name: t.float() for name, t in kept.operands.items()}
                 grad = _RECOMPUTE[graph.names[i]][0](node, kept.grad.float(), operands, p.edge)
                 target = graph.edges[i][p.edge]
-                grad = grad.sum_to_size(graph.nodes[target[0]]._input_metadata[target[1]].shape) * 2.0 ** -plan.alpha_out.get(i, 0)
+                grad = grad.sum_to_size(graph.nodes[target[0]]._input_metadata[target[1]].shape)
+                scaled_maxima.append(grad.abs().amax() if grad.numel() else grad.new_zeros(()))
+                grad = grad * 2.0 ** -plan.alpha_out.get(i, 0)
                 for n in p.chain:  # casts and layouts, as autograd applies them (the values are fp32 already)
                     grad = graph.nodes[n](grad)
                     grad = grad[0] if isinstance(grad, tuple) else grad
                 grads[j] = (graph.nodes[j].variable, grad)
+        if not bool((torch.stack(scaled_maxima) > self.lambda_max).all()):
+            return None
         return grads

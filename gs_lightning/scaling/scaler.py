@@ -11,11 +11,12 @@ How it runs, in brief:
   at hand: that is the only host-device synchronisation.
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
-  synchronisation of their own; the fused unscale of the weight gradients also takes their largest
-  magnitudes (:mod:`~gs_lightning.scaling.drift`), which ``step()`` reads with its finiteness flags.
-* ``step()`` checks every ``.grad`` its optimizer will use, in one fused pass per device and dtype
-  (``GradScaler.unscale_``'s), whoever wrote it and however (``.data``, numpy, a kernel: writes that no
-  version counter sees), and reads that flag and the drift statistic in one synchronisation.
+  synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
+  device and dtype after the backward.
+* ``step()`` reads every ``.grad`` its optimizer will use, whoever wrote it and however (``.data``,
+  numpy, a kernel: writes that no version counter sees): one pass that takes each one's largest
+  magnitude (non-finite exactly where the gradient is), the weight gradients the drift statistic
+  wants among them, and one synchronisation.
 * A weight gradient that overflows between updates, computed from a finite incoming gradient, is
   recomputed in fp32 from operands the replay kept, and the step goes on
   (:mod:`~gs_lightning.scaling.recompute`); any other non-finite gradient skips the step.
@@ -52,7 +53,7 @@ from gs_lightning.scaling.drift import (
     within_margin,
     unscale_and_measure,
 )
-from gs_lightning.scaling.finite import any_non_finite, unscale_and_check_
+from gs_lightning.scaling.finite import unscale_and_check_
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.join import join_outputs
@@ -169,7 +170,7 @@ class GradientScaler:
         self._first_non_finite: str | None = None
         self._drift = self._new_drift()  # largest weight gradients: drift, recent maxima, overflows
         self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
-        self._recompute = WeightGradRecompute()  # what the replay keeps to recompute weight gradients that overflow
+        self._recompute = WeightGradRecompute(self.format.max)  # what the replay keeps to recompute weight gradients that overflow
         self._recomputed_steps = 0
         self._update_iterations = 0
         self._prepared: _PreparedBackward | None = None
@@ -298,7 +299,7 @@ class GradientScaler:
     def found_inf(self) -> bool:
         """Whether a gradient that a backward since the last step reached is non-finite now.
 
-        Reads every such ``.grad`` in one fused pass and synchronises once (twice after a recompute).
+        Reads every such ``.grad`` and synchronises once (twice after a recompute).
         """
         return self._check([v.grad for v in self._written.values() if v.grad is not None])
 
@@ -323,10 +324,10 @@ class GradientScaler:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
 
         As ``GradScaler``, each optimizer is judged by the gradients it is about to use (as they
-        were at :meth:`unscale_`, if that was called): every ``.grad`` it holds is read in one fused
-        pass per device and dtype, whoever wrote it and however (through ``.data`` or numpy too).
-        Synchronises once, reading that flag with the drift statistic of the iteration's backwards
-        (twice where an overflowed weight gradient was recomputed). A skipped step leaves the weights untouched, restores the attached
+        were at :meth:`unscale_`, if that was called): every ``.grad`` it holds is read (each one's
+        largest magnitude, one fused kernel per device on a GPU), whoever wrote it and however
+        (through ``.data`` or numpy too). Synchronises once, reading those with the drift statistic
+        of the iteration's backwards (twice where an overflowed weight gradient was recomputed). A skipped step leaves the weights untouched, restores the attached
         models' buffers to their values before the iteration, and makes the next backward
         recompute the scales, with the accumulated scale capped below the one that overflowed.
 
@@ -354,23 +355,32 @@ class GradientScaler:
         return True
 
     def _check(self, grads: list[torch.Tensor]) -> bool:
-        """Whether one of ``grads`` is non-finite now: one fused pass, read with the drift statistic in one sync.
+        """Whether one of ``grads`` is non-finite now: one read of each, with the drift statistic, in one sync.
 
+        The first check after a backward also takes the largest magnitudes of the weight gradients it
+        queued (:meth:`GradientDrift.pending`: each tensor read once, where it is also one of ``grads``).
         Where that reading finds weight gradients that overflowed by themselves at GEMMs the replay kept
         the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again.
         """
-        flags = unscale_and_check_(grads)  # every value read, as GradScaler.unscale_ reads them; x1 changes none
-        norms = [] if self._drift_read else self._drift.pending()
-        readings = flags + ([torch.stack(norms)] if norms else [])
+        queued = [] if self._drift_read else self._drift.pending()
+        local = [_local(g) for g in grads]  # a sharded gradient (FSDP2's DTensor): this rank's shard, flag reduced below
+        dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())  # queued first
+        readings = [largest_magnitudes(dense)] if dense else []
+        readings += unscale_and_check_(g for g in local if g.is_sparse)  # their values, coalesced where fp16 duplicates may overflow
         values = torch.cat([r.to(readings[0].device) for r in readings]).tolist() if readings else []  # one sync
+        index = {id(t): k for k, t in enumerate(dense)}
+        maxima = [values[index[id(t)]] for t in local if id(t) in index]
+        non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
+        if any(g is not t for g, t in zip(grads, local)):
+            non_finite = _any_rank(non_finite, dense[0].device if dense else local[0].device)
         if self._drift_read:
-            return any(values)
+            return non_finite
         self._drift_read = True
-        self._drift.read(values[len(flags) :])
+        self._drift.read(values[: len(queued)])
         recomputed = self._recompute_overflows()
         if self._drift.last.drifted and not self._surprise_within_margin():
             self._force_update = True
-        return any_non_finite(grads) if recomputed else any(values[: len(flags)])
+        return self._check(grads) if recomputed else non_finite
 
     def _surprise_within_margin(self) -> bool:
         """Where weight gradients rising above what the last update expected of them is all that asks for an
@@ -402,7 +412,7 @@ class GradientScaler:
             return False
         for parameter, grad in grads.values():
             parameter.grad.copy_(grad)
-        maxima = torch.stack(largest_magnitudes([grad for _, grad in grads.values()])).tolist()
+        maxima = largest_magnitudes([grad for _, grad in grads.values()]).tolist()
         self._drift.recomputed(dict(zip(grads, maxima)))
         self._recomputed_steps += 1
         return True
@@ -524,7 +534,7 @@ class GradientScaler:
         self._written = {}
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
         self._compiled, self._compiled_plan = [], None
-        self._recompute = WeightGradRecompute()
+        self._recompute = WeightGradRecompute(self.format.max)
 
     # --- one backward ------------------------------------------------------------------------
 
@@ -879,6 +889,21 @@ def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, i: int, k:
     edge = graph.edges[i][k]
     carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
     return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient's shard on this rank; any other gradient as it is."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank (sharded gradients: each rank checked its own shard)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    reduced = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+    return bool(reduced.item())
 
 
 def _flatten(outputs: Outputs, where: str) -> list[torch.Tensor]:

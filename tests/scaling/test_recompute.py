@@ -213,6 +213,8 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
         scaler.backward(loss)
         if step == 1:
             leaves = [p.leaf for kept in scaler._recompute._kept.values() for p in kept.parameters]
+            assert scaler._recompute.recompute(leaves) is None  # nothing overflowed: nothing to recompute
+            scaler._recompute.lambda_max = 0.0  # every value an overflow: the recomputation itself, compared
             recomputed = scaler._recompute.recompute(leaves)
             assert recomputed is not None and len(recomputed) == len(list(model.parameters()))
             for parameter, grad in recomputed.values():

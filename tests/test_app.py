@@ -250,10 +250,11 @@ def _tiny_demo(steps: int) -> list[str]:
 
 
 def _kill_mid_epoch(args: list[str], tmp_path: Path, epoch: int, batch: int) -> str:
-    """Start train.py and SIGKILL it as soon as its progress bar shows ``batch`` of epoch ``epoch``;
-    return what it printed."""
+    """Start train.py and SIGKILL it as soon as its progress bar (tqdm's, which Lightning replaces by
+    Rich's where rich is installed) shows ``batch`` of epoch ``epoch``; return what it printed."""
+    tqdm = "+callbacks.progress_bar={_target_: lightning.pytorch.callbacks.TQDMProgressBar}"
     process = subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'killed'}", *args],
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'killed'}", *args, tqdm],
         cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     seen = bytearray()

@@ -113,7 +113,9 @@ def test_plugins_that_scale_nothing_warn_once_and_log_nothing(tmp_path: Path) ->
     assert not list(tmp_path.rglob("*.png"))
 
 
-@pytest.mark.parametrize(("plugin", "scales"), [(DynamicLossScalingPlugin, [16.0, 15.0, 15.0]), (FP16Plugin, [0.0, 0.0, 0.0])])
+@pytest.mark.parametrize(
+    ("plugin", "scales"), [(DynamicLossScalingPlugin, [16.0, 15.0, 15.0]), (FP16Plugin, [0.0, 0.0, 0.0])], ids=["dynamic", "fp16"]
+)
 def test_loss_scaling_plugins_log_the_loss_scale_and_the_skipped_steps(plugin, scales: list[float], tmp_path: Path) -> None:
     """GradScaler halves its scale on step 2's inf loss and the step is skipped (the weights stay); the
     CSV has gs/loss_scale (log2) and gs/skipped_steps at steps 2, 4 and the end; no plots."""

@@ -140,7 +140,15 @@ class GradientDrift:
     _update: bool = field(default=False, repr=False)
 
     def measure(self, alpha: int, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
-        """Queue one scale group's (already unscaled) gradients, whose largest magnitudes the step reads."""
+        """Queue one scale group's (already unscaled) gradients, whose largest magnitudes the step reads.
+
+        A leaf queued again before a read (gradient accumulation: the later backwards add into the same
+        ``.grad``) is read once, in its latest group.
+        """
+        again = set(leaves)
+        if any(again.intersection(queued) for _, queued, _ in self._pending):
+            kept = [(a, [(j, g) for j, g in zip(ls, gs) if j not in again]) for a, ls, gs in self._pending]
+            self._pending = [(a, tuple(j for j, _ in pairs), [g for _, g in pairs]) for a, pairs in kept if pairs]
         self._pending.append((alpha, leaves, grads))
         self._update = self._update or update
 
@@ -354,21 +362,29 @@ def _shrink_log2(norm: float, reference: float) -> float:
     return math.log2(reference / norm)
 
 
-def unscale_and_measure(leaves: Iterable[tuple[int, torch.Tensor, int]], drift: GradientDrift | None, update: bool) -> None:
-    """Divide each leaf's ``.grad`` by ``2^alpha`` and queue it for ``drift``.
+def unscale_and_measure(
+    leaves: Iterable[tuple[int, torch.Tensor, int]],
+    drift: GradientDrift | None,
+    update: bool,
+    unscaled: Iterable[tuple[int, torch.Tensor, int]] = (),
+) -> None:
+    """Divide each leaf's ``.grad`` by ``2^alpha`` and queue it for ``drift``, with the ``unscaled`` ones.
 
-    ``leaves`` holds (leaf index, leaf variable, alpha). One fused multiply per scale, device and
-    dtype (none where alpha is 0). Nothing is read: the step's pass over the gradients it uses takes
-    their largest magnitudes, the queued ones' included (:meth:`GradientDrift.pending`).
+    ``leaves`` holds (leaf index, leaf variable, alpha); ``unscaled`` the same for leaves whose
+    gradients the backward already unscaled (DDP's, which it all-reduced; accumulated ones),
+    queued only. One fused multiply per scale, device and dtype (none where alpha is 0). Nothing is
+    read: the step's pass over the gradients it uses takes their largest magnitudes, the queued
+    ones' included (:meth:`GradientDrift.pending`).
     """
-    by_alpha: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-    for j, variable, alpha in leaves:
-        if variable.grad is not None:
-            by_alpha[alpha].append((j, variable.grad))
+    by_alpha: dict[int, list[tuple[int, torch.Tensor, bool]]] = defaultdict(list)
+    for queued, to_unscale in ((leaves, True), (unscaled, False)):
+        for j, variable, alpha in queued:
+            if variable.grad is not None:
+                by_alpha[alpha].append((j, variable.grad, to_unscale))
     for alpha, group in by_alpha.items():
         if alpha != 0:
-            unscale_([grad for _, grad in group], 2.0**-alpha)
-        dense = [(j, grad) for j, grad in group if grad.is_floating_point() and not grad.is_sparse]
+            unscale_([grad for _, grad, to_unscale in group if to_unscale], 2.0**-alpha)
+        dense = [(j, grad) for j, grad, _ in group if grad.is_floating_point() and not grad.is_sparse]
         if drift is not None and dense:
             drift.measure(alpha, tuple(j for j, _ in dense), [grad for _, grad in dense], update)
 

@@ -696,12 +696,14 @@ class GradientScaler:
             run.complete()
         deferred = prepared.leaves.deferred
         self._drift_read = False
+        already: list[tuple[int, torch.Tensor, int]] = []  # unscaled as they accumulated: measured, not unscaled again
         if prepared.compiled is not None:  # leaf indices and scales of the eager update, which the drift compares with
             unscaled = [(e, graph.nodes[j].variable, alpha) for j, e, alpha in prepared.compiled.deferred]
         else:
             alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
-        unscale_and_measure(unscaled, self._drift if not prepared.path and self._measures_drift() else None, run is not None)
+            already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in deferred | prepared.leaves.exits]
+        unscale_and_measure(unscaled, self._drift if not prepared.path and self._measures_drift() else None, run is not None, already)
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self._written[id(variable)] = variable

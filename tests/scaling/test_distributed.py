@@ -1,0 +1,80 @@
+"""GradientScaler under DistributedDataParallel: 2 gloo processes on the CPU against one process on the global batch.
+
+DDP all-reduces gradients during the backward, so no gradient waits for the fused unscale after it;
+the drift statistic reads them at the step instead, all-reduced. Each rank reads them by its own
+scale groups (its scales come from its own shard of the batch, and need not agree with the other
+ranks': the all-reduce sums true gradients), and the drift-triggered updates follow as in one process.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gs_lightning import GradientScaler
+
+STEPS, WORLD = 30, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(64, 32, generator=generator), torch.randn(64, 16, generator=generator)
+
+
+def _train(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor, scaler: GradientScaler) -> dict[str, object]:
+    """STEPS fp16-autocast steps of a loss whose gradients shrink 2^8 (lr 0: only the loss changes)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    updates, drifts = [], []
+    for t in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x).float() * upstream).mean() * 2.0 ** (-8 * t / (STEPS - 1))
+        optimizer.zero_grad(set_to_none=True)
+        before = scaler.update_iterations
+        scaler.backward(loss)
+        assert scaler.step(optimizer)
+        scaler.update()
+        drifts.append(scaler.drift.drift_log2)
+        if scaler.update_iterations > before:
+            updates.append(t)
+    return {"updates": updates, "drifts": drifts, "measured": len(scaler.drift.measured)}
+
+
+def _rank(rank: int, port: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        model = DistributedDataParallel(_model())
+        x, upstream = _batch()
+        half = slice(rank * 32, (rank + 1) * 32)  # the mean over each half, averaged by DDP: the global batch's mean
+        torch.save(_train(model, x[half], upstream[half], GradientScaler(model, update_interval=100)), out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_measures_drift_and_updates_where_one_process_does(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    model = _model()
+    single = _train(model, *_batch(), GradientScaler(model, update_interval=100))
+    assert single["measured"] == 4 and len(single["updates"]) > 1  # the drift asked for updates between the scheduled ones
+    for result in ranks:
+        assert result["measured"] == 4  # every weight gradient read, though none was deferred
+        assert result["updates"] == single["updates"]
+        assert all(math.isfinite(d) for d in result["drifts"])  # read on every step (NaN: nothing was measured)

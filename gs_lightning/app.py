@@ -146,9 +146,27 @@ class Run:
     datamodule: L.LightningDataModule
 
 
-def precision_arguments(precision: DictConfig) -> dict[str, Any]:
-    """Trainer arguments for the ``precision`` group: one of our plugins, or Lightning's own flag."""
+# Lightning's FSDPStrategy takes only an FSDPPrecision: the same method, in the plugin built on it.
+_FSDP_PLUGINS = {
+    "gs_lightning.GradientScalingPlugin": "gs_lightning.lightning.FSDPGradientScalingPlugin",
+    "gs_lightning.DynamicLossScalingPlugin": "gs_lightning.lightning.FSDPDynamicLossScalingPlugin",
+}
+
+
+def precision_arguments(precision: DictConfig, strategy: Any = None) -> dict[str, Any]:
+    """Trainer arguments for the ``precision`` group: one of our plugins, or Lightning's own flag.
+
+    With ``trainer=fsdp`` (``strategy="fsdp"``) a scaling plugin is built on Lightning's FSDPPrecision.
+    """
     if "_target_" in precision:
+        if strategy == "fsdp":
+            fsdp_target = _FSDP_PLUGINS.get(precision._target_)
+            if fsdp_target is None:
+                raise AppError(
+                    f"trainer=fsdp takes precision=gs, dynamic, bf16 or fp32, not the plugin {precision._target_}: "
+                    "under FSDP each rank holds a shard, and its non-finite check would be its own shard's"
+                )
+            precision = OmegaConf.merge(precision, {"_target_": fsdp_target})
         return {"plugins": [_instantiate(precision)]}
     if "lightning_precision" in precision:
         return {"precision": precision.lightning_precision}
@@ -174,7 +192,7 @@ def build(cfg: DictConfig) -> Run:
             callback.recipe = _recipe_name()
         if isinstance(callback, GradientScalingCallback) and callback.run_name is None:
             callback.run_name = _run_label(Path(cfg.paths.output_dir))
-    trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision))
+    trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision, cfg.trainer.get("strategy")))
     return Run(trainer, task, datamodule)
 
 

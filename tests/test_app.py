@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
-from gs_lightning import GradientScalingPlugin
+from gs_lightning import GradientScalingPlugin, ScalingRecipe
 from gs_lightning.app import (
     AppError,
     RunComparison,
@@ -144,6 +144,25 @@ def test_emulated_fp8_gradients_from_the_command_line(precision: str) -> None:
     assert plugin.emulate and plugin.grad_dtype == torch.float8_e5m2
     if precision == "gs":
         assert plugin._build_scaler(torch.nn.Linear(2, 2), "cpu").format.name == "float8_e5m2"
+
+
+@pytest.mark.parametrize(("precision", "plugin_name"), [("gs", "FSDPGradientScalingPlugin"), ("dynamic", "FSDPDynamicLossScalingPlugin")])
+def test_trainer_fsdp_builds_the_precision_plugin_on_fsdp_precision(precision: str, plugin_name: str) -> None:
+    """Lightning's FSDPStrategy takes only an FSDPPrecision: trainer=fsdp gets the same method built on it, options kept."""
+    cfg = _compose(["trainer=fsdp", f"precision={precision}"])
+    (plugin,) = precision_arguments(cfg.precision, cfg.trainer.strategy)["plugins"]
+    assert type(plugin).__name__ == plugin_name and plugin.emulate == "auto"
+    with pytest.raises(AppError, match=r"trainer=fsdp takes precision=gs, dynamic, bf16 or fp32, not the plugin gs_lightning.FP16Plugin"):
+        precision_arguments(_compose(["trainer=fsdp", "precision=fp16"]).precision, "fsdp")
+
+
+def test_the_scaling_recipe_and_its_fields_from_the_command_line() -> None:
+    """precision.recipe=paper names the preset; a recipe field overrides it; a mistyped one names the nearest."""
+    cfg = _compose(["precision.recipe=paper", "precision.update_interval=7"])
+    (plugin,) = precision_arguments(cfg.precision)["plugins"]
+    assert plugin.recipe == ScalingRecipe.paper().replace(update_interval=7)
+    with pytest.raises(AppError, match=r"did you mean 'spike_room_log2'"):
+        precision_arguments(_compose(["precision=gs", "+precision.spike_rooms_log2=1"]).precision)
 
 
 def test_recipes_are_the_yaml_files_of_the_folder(tmp_path: Path) -> None:

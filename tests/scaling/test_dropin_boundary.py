@@ -56,6 +56,16 @@ def _grad_of_a_parameter_the_backward_missed(model: nn.Module) -> None:
     model.extra.grad = torch.tensor([0.0, float("nan"), 0.0])
 
 
+def _assert_skipped_with_the_weights_untouched(model: nn.Module, scaler: GradientScaler, opt: torch.optim.Optimizer, with_unscale: bool) -> None:
+    before = [p.detach().clone() for p in model.parameters()]
+    if with_unscale:
+        scaler.unscale_(opt)
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scaler.skipped_steps == 1
+
+
 @pytest.mark.parametrize(
     "corrupt", [_nan_in_weight, _second_plain_backward, _replaced_grad, _grad_of_a_parameter_the_backward_missed]
 )
@@ -66,13 +76,7 @@ def test_a_gradient_made_non_finite_after_the_backward_skips_the_step(corrupt, w
     scaler.scale(fp16_loss(model)).backward()
     corrupt(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # after corrupt: it may have added a parameter
-    before = [p.detach().clone() for p in model.parameters()]
-    if with_unscale:
-        scaler.unscale_(opt)
-    assert scaler.step(opt) is False
-    scaler.update()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert scaler.skipped_steps == 1
+    _assert_skipped_with_the_weights_untouched(model, scaler, opt, with_unscale)
 
 
 def test_the_issues_example_leaves_the_weights_finite() -> None:
@@ -126,13 +130,7 @@ def test_a_write_no_version_counter_sees_skips_the_step(corrupt, with_unscale: b
             scaler.update()
     assert scaler.update_iterations == 1
     corrupt(model)
-    before = [p.detach().clone() for p in model.parameters()]
-    if with_unscale:
-        scaler.unscale_(opt)
-    assert scaler.step(opt) is False
-    scaler.update()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert scaler.skipped_steps == 1
+    _assert_skipped_with_the_weights_untouched(model, scaler, opt, with_unscale)
 
 
 # --- 2. autograd.grad returns true gradients ------------------------------------------------

@@ -107,7 +107,7 @@ BATCH_NORM_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackwar
 
 def batch_norm_gain(node: Node) -> torch.Tensor | None:
     """max_c |γ_c|·invstd_c of a batch-norm backward node, a 0-dim fp32 tensor (nothing read), or
-    ``None`` where its saved tensors are unreadable (checkpointing)."""
+    ``None`` where its saved tensors are unreadable (checkpointing; FSDP2's resharded weight)."""
     with torch.no_grad():
         invstd = saved_tensor(node, "result2")
         if invstd is None or invstd.numel() == 0:  # evaluation mode: the running variance normalised
@@ -116,7 +116,12 @@ def batch_norm_gain(node: Node) -> torch.Tensor | None:
                 return None
             invstd = (variance + getattr(node, "_saved_eps", 1e-5)).rsqrt()
         weight = saved_tensor(node, "weight")  # None as well without an affine weight
-        return invstd.amax() if weight is None else (weight.abs() * invstd).amax()
+        if weight is None:
+            raw = getattr(node, "_raw_saved_weight", None)
+            if raw is not None and raw.unpack_hook is None and node._saved_weight is not None:  # a weight, unreadable now
+                return None
+            return invstd.amax()
+        return (weight.abs() * invstd).amax()
 
 
 # torchvision's operators with autograd formulas (``torch.library.register_autograd``: custom
@@ -133,12 +138,23 @@ def saved_tensor(node: Node, name: str) -> torch.Tensor | None:
 
     A saved tensor with an unpack hook (non-reentrant activation checkpointing, CPU offloading) may
     be unpacked only once: checkpointing recomputes it for the node and then forgets it. Reading it
-    here first would make the node's own backward fail, so such tensors are left alone.
+    here first would make the node's own backward fail, so such tensors are left alone, and so are
+    those whose storage is freed until the backward (FSDP2's resharded parameters).
     """
     raw = getattr(node, f"_raw_saved_{name}", None)
     if raw is None or raw.unpack_hook is not None:
         return None
-    return getattr(node, f"_saved_{name}")
+    tensor = getattr(node, f"_saved_{name}")
+    return None if isinstance(tensor, torch.Tensor) and _storage_freed(tensor) else tensor
+
+
+def _storage_freed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage was freed under it (FSDP2 reshards a parameter after the forward by
+    resizing its storage to 0 until the backward gathers it again): reading it would crash the process."""
+    try:
+        return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a tensor subclass): not ours to judge
+        return False
 
 
 

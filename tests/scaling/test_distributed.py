@@ -78,3 +78,45 @@ def test_ddp_measures_drift_and_updates_where_one_process_does(tmp_path: Path) -
         assert result["measured"] == 4  # every weight gradient read, though none was deferred
         assert result["updates"] == single["updates"]
         assert all(math.isfinite(d) for d in result["drifts"])  # read on every step (NaN: nothing was measured)
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    block = lambda n_in, n_out: nn.Sequential(nn.Linear(n_in, n_out), nn.BatchNorm1d(n_out), nn.ReLU())  # noqa: E731
+    return nn.Sequential(block(16, 32), block(32, 32), nn.Linear(32, 4))
+
+
+def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """4 fp16-autocast SGD steps under GradientScaler (update_interval=2: updates and replays); the skipped steps."""
+    scaler, optimizer = GradientScaler(model, update_interval=2), torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        scaler.backward(loss)
+        scaler.step(optimizer)
+        scaler.update()
+    return scaler.skipped_steps
+
+
+def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        model = _bn_model()
+        for block in list(model)[:2]:
+            fully_shard(block)  # resharded after the forward: the BatchNorm weights' storage is freed until the backward
+        fully_shard(model)
+        x, y = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank)), torch.arange(16) % 4
+        torch.save(_bn_steps(model, x, y), out / f"fsdp{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_unsharded_model_does(tmp_path: Path) -> None:
+    """The update's BatchNorm gain bound reads no weight FSDP2 freed (it crashed the process with SIGSEGV)."""
+    mp.spawn(_fsdp2_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
+    skipped = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(WORLD)]
+    unsharded = _bn_steps(_bn_model(), torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4)
+    assert skipped == [unsharded] * WORLD == [0, 0]

@@ -130,6 +130,9 @@ def batch_norm_gain(node: Node) -> torch.Tensor | None:
 TORCHVISION_PASS_THROUGH = frozenset(
     f"GeneratedBackwardFor_torchvision_{op}_defaultBackward" for op in ("roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool")
 )
+# FSDP2's marker at each sharded module's inputs: an identity whose backward starts the module's
+# gradient reduction; the gradient passes through unchanged (an opaque region scaled it as a unit).
+FSDP_PASS_THROUGH = frozenset({"RegisterPostBackwardFunctionBackward"})
 DEFORM_CONV = "GeneratedBackwardFor_torchvision_deform_conv2d_defaultBackward"
 
 
@@ -404,7 +407,7 @@ def _is_cast(graph: AutogradGraph, i: int) -> bool:
 
 def _is_opaque(node: Node, name: str) -> bool:
     """A node whose backward runs code this walk cannot see: a custom Function or a compiled region."""
-    if name == JOIN_OUTPUTS or name in TORCHVISION_PASS_THROUGH:
+    if name == JOIN_OUTPUTS or name in TORCHVISION_PASS_THROUGH or name in FSDP_PASS_THROUGH:
         return False
     return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 

@@ -86,8 +86,9 @@ def _bn_model() -> nn.Module:
     return nn.Sequential(block(16, 32), block(32, 32), nn.Linear(32, 4))
 
 
-def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """4 fp16-autocast SGD steps under GradientScaler (update_interval=2: updates and replays); the skipped steps."""
+def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list[str]]:
+    """4 fp16-autocast SGD steps under GradientScaler (update_interval=2: updates and replays); the skipped
+    steps and the kinds of the decisions."""
     scaler, optimizer = GradientScaler(model, update_interval=2), torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(4):
         optimizer.zero_grad(set_to_none=True)
@@ -96,7 +97,7 @@ def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
         scaler.backward(loss)
         scaler.step(optimizer)
         scaler.update()
-    return scaler.skipped_steps
+    return scaler.skipped_steps, sorted(layer.kind for layer in scaler.layers())
 
 
 def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
@@ -115,8 +116,10 @@ def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
 
 
 def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_unsharded_model_does(tmp_path: Path) -> None:
-    """The update's BatchNorm gain bound reads no weight FSDP2 freed (it crashed the process with SIGSEGV)."""
+    """The update's BatchNorm gain bound reads no weight FSDP2 freed (it crashed the process with SIGSEGV), and
+    FSDP2's autograd markers pass the scales through: the same decisions as unsharded, no opaque region."""
     mp.spawn(_fsdp2_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
-    skipped = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(WORLD)]
+    sharded = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(WORLD)]
     unsharded = _bn_steps(_bn_model(), torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4)
-    assert skipped == [unsharded] * WORLD == [0, 0]
+    assert unsharded == (0, ["cast", "gemm", "gemm", "gemm"])
+    assert sharded == [unsharded] * WORLD

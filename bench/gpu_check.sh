@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a session with an NVIDIA GPU (written for one H200 and ~15 minutes of
 # device time): GPU and software versions, gradient fidelity at realistic sizes, GS's backward
-# overhead on ResNet-50, full-step times of GS vs GradScaler on SegNet-basic and SSD512, and what an
+# overhead on ResNet-50, host reads and CUDA synchronisations per iteration (update, replay, step) on
+# ResNet-18 and a Transformer encoder, full-step times of GS vs GradScaler on SegNet-basic and SSD512, and what an
 # update iteration costs against a plain backward on the torchvision and RNN zoo (issue 19, item 5),
 # and Lightning's FSDPStrategy and Fabric's "fsdp" with the FSDP plugins (they build only on CUDA).
 #
 #   bench/gpu_check.sh        # from the repository root, with `python` the project's env
 #
 # Every stage has a timeout so that one hang cannot eat the budget; the timeouts add up to
-# under 11.5 minutes. A failing stage does not stop the later ones: failures are listed at the end
+# under 12.5 minutes. A failing stage does not stop the later ones: failures are listed at the end
 # and make the exit status nonzero. Everything is also written to bench/gpu_check.log.
 set -euo pipefail
 
@@ -114,6 +115,7 @@ main() {
     stage "versions" 40 bash -c versions
     stage "fidelity" 210 python bench/fidelity.py --device cuda --size realistic
     stage "overhead" 120 python bench/overhead.py --device cuda --autocast --arch resnet50 --batch-size 256 --image-size 224 --rounds 10
+    stage "host_reads" 60 python bench/host_reads.py --device cuda --batch-size 64
     stage "step_time" 90 python bench/step_time.py --device cuda --size realistic
     stage "update_cost" 120 python bench/update_cost.py --device cuda --families torchvision rnn --image-size 224 --batch-scale 16 --rounds 3
     stage "fsdp" 90 bash -c fsdp

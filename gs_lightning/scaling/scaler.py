@@ -280,6 +280,8 @@ class GradientScaler:
         self._begin_iteration()
         if not self.enabled:
             return outputs
+        for model in self._models:
+            _refuse_fp16_communication(model)
         joined, root = join_outputs(tensors)
         if root is None:
             return outputs
@@ -891,6 +893,19 @@ def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, i: int, k:
     edge = graph.edges[i][k]
     carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
     return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])
+
+
+def _refuse_fp16_communication(model: nn.Module) -> None:
+    """DDP with an fp16 compression hook all-reduces the true gradients in fp16, where what this scaler
+    unscaled below fp16's range flushes to zero (at a median of 4e-9 every value was lost)."""
+    for hook, _ in getattr(model, "_comm_hooks", ()):
+        name = getattr(hook, "__qualname__", "")
+        if "fp16_compress" in name:
+            raise ValueError(
+                f"GradientScaler: DDP's communication hook {name} all-reduces gradients in fp16, and they arrive "
+                "there unscaled (true values), so those below fp16's range (6e-8) become 0. Register "
+                "bf16_compress_hook (bf16 has fp32's range) or no compression hook."
+            )
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

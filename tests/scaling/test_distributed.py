@@ -12,6 +12,7 @@ import math
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -123,3 +124,26 @@ def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_uns
     unsharded = _bn_steps(_bn_model(), torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4)
     assert unsharded == (0, ["cast", "gemm", "gemm", "gemm"])
     assert sharded == [unsharded] * WORLD
+
+
+def test_ddp_with_an_fp16_compression_hook_is_refused_in_one_line(tmp_path: Path) -> None:
+    """True gradients all-reduced in fp16 flush below 6e-8; bf16 compression keeps fp32's range and is accepted."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for hook, refused in ((default_hooks.fp16_compress_hook, True), (default_hooks.bf16_compress_hook, False)):
+            model = DistributedDataParallel(_model())
+            model.register_comm_hook(None, hook)
+            scaler = GradientScaler(model)
+            x, upstream = _batch()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() * upstream).mean()
+            if refused:
+                with pytest.raises(ValueError, match=r"fp16_compress_hook all-reduces gradients in fp16.*bf16_compress_hook"):
+                    scaler.backward(loss)
+            else:
+                scaler.backward(loss)
+                assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

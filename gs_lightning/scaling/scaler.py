@@ -154,6 +154,7 @@ class GradientScaler:
         self.max_consecutive_skips = max_consecutive_skips
         self.enabled = enabled
         self._models: list[nn.Module] = []
+        self._sharded = False  # an attached model holds FSDP1 units: each rank's .grad is its own shard
         self._module_names: dict[int, str] = {}
         self._parameter_names: dict[int, str] = {}
         self._buffer_copy: list[torch.Tensor] = []
@@ -250,6 +251,7 @@ class GradientScaler:
         if any(m is model for m in self._models):
             return
         self._models.append(model)
+        self._sharded = self._sharded or _holds_fsdp1(model)
         self._module_names = {**_module_names(model), **self._module_names}
         self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
         self._analyses.clear()  # layer names are decided with the analysis
@@ -373,7 +375,7 @@ class GradientScaler:
         index = {id(t): k for k, t in enumerate(dense)}
         maxima = [values[index[id(t)]] for t in local if id(t) in index]
         non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
-        if any(g is not t for g, t in zip(grads, local)):
+        if self._sharded or any(g is not t for g, t in zip(grads, local)):
             non_finite = _any_rank(non_finite, dense[0].device if dense else local[0].device)
         if self._drift_read:
             return non_finite
@@ -906,6 +908,15 @@ def _refuse_fp16_communication(model: nn.Module) -> None:
                 "there unscaled (true values), so those below fp16's range (6e-8) become 0. Register "
                 "bf16_compress_hook (bf16 has fp32's range) or no compression hook."
             )
+
+
+def _holds_fsdp1(model: nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``FullyShardedDataParallel`` unit (FSDP1: plain tensors, each rank's shard)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -147,3 +147,53 @@ def test_ddp_with_an_fp16_compression_hook_is_refused_in_one_line(tmp_path: Path
                 assert all(p.grad is not None for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+class _InfIntoTheLastEntry(torch.autograd.Function):
+    """Identity forward; its backward adds inf to the gradient's last entry (on the rank that uses it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad + torch.tensor([0.0] * (grad.shape[-1] - 1) + [float("inf")], dtype=grad.dtype)
+
+
+class _LinearWithInfBiasGradient(nn.Linear):
+    """On rank 0, the bias gradient's last entry is inf, and nothing else: it lands in one rank's shard."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int) -> None:
+        super().__init__(n_in, n_out)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = _InfIntoTheLastEntry.apply(self.bias) if self.rank == 0 else self.bias
+        return nn.functional.linear(x, self.weight, bias)
+
+
+def _fsdp1_rank(rank: int, port: int, out: Path) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _LinearWithInfBiasGradient(16, 4, rank))
+        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+        scaler, optimizer = GradientScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.backward(loss)
+        scaler.step(optimizer)
+        torch.save(scaler.skipped_steps, out / f"fsdp1_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp1_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """FSDP1 reduce-scatters each gradient, so rank 0's inf in the last bias entry lands in one rank's shard
+    only: the flag is reduced across ranks (the other rank stepped its half of the model)."""
+    mp.spawn(_fsdp1_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
+    assert [torch.load(tmp_path / f"fsdp1_{r}.pt") for r in range(WORLD)] == [1, 1]

@@ -71,6 +71,12 @@ class ScalingRecipe:
             update iteration, where that measurement replaces the Cauchy–Schwarz bound.
         opaque_probe_headroom_log2: An opaque region (custom autograd Function, compiled region)
             is probed this many binades below the overflow of the gradient entering it.
+        wide_branch_scale: The scale of a branch's sum taken in a wider format than the gradients'
+            (fp32 under autocast: a Transformer's residual stream): ``"smallest"`` of the incoming
+            ones (exact there; the decisions below raise it as their own values need), or
+            ``"largest"`` that fits below overflow, Algorithm 1's rule for every branch, which
+            carried a BERT key projection's 2^25 down its whole residual stream until a bias
+            gradient overflowed on the next batch (with gradient accumulation; GradScaler skipped none).
         drift_tolerance_log2: Ask for an update when a scale group's largest weight gradient
             falls this many binades below its value at the last update (its underflow roughly
             doubles per binade). ``None``: no drift-triggered update.
@@ -108,6 +114,7 @@ class ScalingRecipe:
     replay_headroom_log2: float = 1.0
     weight_grad_margin_log2: float = 0.5
     opaque_probe_headroom_log2: int = 12
+    wide_branch_scale: Literal["smallest", "largest"] = "smallest"
     drift_tolerance_log2: float | None = 1.0
     level_steps: int = 8
     expected_maxima_margin_log2: float | None = 3.0
@@ -144,6 +151,8 @@ class ScalingRecipe:
             value = getattr(self, field)
             if value is not None and not (_is_number(value) and value > 0.0):
                 fail(field, "None (the rule off) or a positive number of binades")
+        if self.wide_branch_scale not in ("smallest", "largest"):
+            fail("wide_branch_scale", "'smallest' or 'largest'")
         if not _is_int(self.opaque_probe_headroom_log2) or self.opaque_probe_headroom_log2 < 0:
             fail("opaque_probe_headroom_log2", "an integer >= 0")
         if not (_is_number(self.recomputed_spike_share) and 0.0 <= self.recomputed_spike_share <= 1.0):
@@ -171,6 +180,7 @@ class ScalingRecipe:
             lambda_min="subnormal",
             exact_probes=False,
             replay_headroom_log2=0.0,
+            wide_branch_scale="largest",
             drift_tolerance_log2=None,
             expected_maxima_margin_log2=None,
             spike_room_log2=0.0,

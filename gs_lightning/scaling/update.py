@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
+from torch.autograd.graph import Node
 
 from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.formats import FORMATS
@@ -29,6 +30,7 @@ from gs_lightning.scaling.graph import (
     GraphAnalysis,
     Slot,
     batch_norm_gain,
+    saved_tensor,
 )
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
@@ -260,10 +262,47 @@ def post_order(count: int, targets: Callable[[int], list[int]], stops: Container
         stack.extend((t, False) for t in targets(node) if t not in done)
 
 
-def batch_norm_gains(graph: AutogradGraph) -> dict[int, float]:
-    """Batch-norm backward node -> its gain above 1 (:func:`~gs_lightning.scaling.graph.batch_norm_gain`),
-    read in one synchronisation; empty, and nothing read, without batch normalisation."""
-    found = [(j, gain) for j, name in enumerate(graph.names) if name in BATCH_NORM_NODES and (gain := batch_norm_gain(graph.nodes[j])) is not None]
+def constant_factor(node: Node) -> torch.Tensor | None:
+    """|c| of a product by a constant scalar c (``MulBackward0`` whose saved factor is 0-dim), as a 0-dim tensor, else ``None``.
+
+    Its backward multiplies the gradient by c. Under ``create_graph=True`` the scaler's own factors
+    are such products, recorded in the first backward's graph: a second backward through it (a
+    gradient penalty) meets them as gains of 2^β that no decision sees.
+    """
+    factor = saved_tensor(node, "other")
+    return factor.detach().abs().float() if factor is not None and factor.dim() == 0 and factor.is_floating_point() else None
+
+
+SAVED_GRADIENTS = ("grad_output", "grad_out")
+
+
+def saved_gradient_gain(node: Node) -> torch.Tensor | None:
+    """max|g| of the gradient an elementwise node of a first backward's graph saved (``GeluBackwardBackward0``,
+    ``TanhBackwardBackward0``, ... under ``create_graph=True``), else ``None``: a second backward through it
+    multiplies its gradient by g, which carries the scales of the first backward."""
+    if "BackwardBackward" not in node.name() and "BackwardDataBackward" not in node.name():
+        return None
+    for name in SAVED_GRADIENTS:
+        g = saved_tensor(node, name)
+        if g is not None and g.is_floating_point() and g.numel():
+            return g.detach().abs().amax().float()
+    return None
+
+
+def node_gain(node: Node, name: str) -> torch.Tensor | None:
+    """How much ``node`` can multiply the gradient it passes on, where that is known: a batch norm's gain
+    (:func:`~gs_lightning.scaling.graph.batch_norm_gain`), a product by a constant (:func:`constant_factor`),
+    a saved first-order gradient (:func:`saved_gradient_gain`)."""
+    if name in BATCH_NORM_NODES:
+        return batch_norm_gain(node)
+    if name == "MulBackward0":
+        return constant_factor(node)
+    return saved_gradient_gain(node)
+
+
+def node_gains(graph: AutogradGraph) -> dict[int, float]:
+    """Node -> its gain above 1 (:func:`node_gain`), read in one synchronisation; empty, and nothing read, without any."""
+    found = [(j, gain) for j, name in enumerate(graph.names) if (gain := node_gain(graph.nodes[j], name)) is not None]
     values = stats(*(gain for _, gain in found)) if found else []
     return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
 
@@ -326,7 +365,7 @@ class UpdateRun:
         self._fed_maxima: dict[int, float] = {}  # such a GEMM -> expected maxima of the parameter gradients it feeds
         self._expected = self._expected_maxima()
         self._kept_downstream = kept_downstream(graph, analysis, {i: self._expected_total(i) for i in self._expected})
-        self._gains_after = gains_after(graph, analysis, batch_norm_gains(graph))
+        self._gains_after = gains_after(graph, analysis, node_gains(graph))
 
     def register(self) -> list:
         """Register the run's hooks on the graph; returns their handles.
@@ -525,9 +564,20 @@ class UpdateRun:
         not on each part; it is checked even when they share a scale if the sum is taken in a low
         precision, where it can overflow though every part is finite (a weight used three times
         under autocast). Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`.
+
+        A sum taken in a wider format than the gradients' (fp32 under autocast: a Transformer's
+        residual stream around its LayerNorms) gets the smallest incoming scale
+        (:attr:`ScalingRecipe.wide_branch_scale`, the default): shifting the other
+        parts down to it is exact there, and the casts and GEMMs below raise it as far as their own
+        values need. The largest that fits would leave everything below one binade under overflow,
+        carried there by the part that needed most (a BERT's key projection's 2^25 went down its
+        whole residual stream, and the next batch's bias gradients overflowed).
         """
         alphas = [a for _, a in parts]
-        low_precision_sum = summed and len(parts) > 1 and any(g.dtype in FORMATS for g, _ in parts)
+        low_precision = any(g.dtype in FORMATS for g, _ in parts)
+        if summed and not low_precision and self.settings.recipe.wide_branch_scale == "smallest":
+            return self._capped(min(alphas), i)
+        low_precision_sum = summed and len(parts) > 1 and low_precision
         if len(set(alphas)) == 1 and not low_precision_sum:
             return alphas[0]
         maxima = magnitudes([extremes(g) for g, _ in parts])

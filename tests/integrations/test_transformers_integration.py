@@ -227,3 +227,31 @@ def test_make_gradient_scaler_makes_the_scaler_in_use(tmp_path: Path) -> None:
     trainer, _ = make_trainer(tmp_path, make_scaler)
     assert trainer.gradient_scaler is made[-1] is trainer.accelerator.scaler
     assert trainer.gradient_scaler.recipe.underflow_rate == 1e-4
+
+
+def test_with_gradient_accumulation_no_step_is_skipped_where_gradscaler_skips_none(tmp_path: Path) -> None:
+    """20 steps of 2 accumulated batches of 64 sequences, the Trainer's default learning rate and clipping: a
+    branch's fp32 sum (the residual stream) took the largest incoming scale, 2^25, down the whole encoder, and
+    the next batch's bias gradient overflowed (step 1 skipped at 2^32; GradScaler skipped none).
+    ScalingRecipe.wide_branch_scale="smallest" takes the smallest incoming scale there."""
+
+    class Sequences(TokenDataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.input_ids, self.labels = torch.randint(1, 100, (64, SEQUENCE), generator=g), torch.randint(0, 2, (64,), generator=g)
+
+    skipped = {}
+    for name, make_scaler in (("gs", GradientScaler), ("reference", reference_scaler)):
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128, max_position_embeddings=32, num_labels=2)
+        model = BertForSequenceClassification(config)
+        recorder = StepRecorder(None)
+        args = TrainingArguments(output_dir=str(tmp_path / name), use_cpu=True, fp16=True, per_device_train_batch_size=8, max_steps=20,
+                                 gradient_accumulation_steps=2, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True)
+        trainer = GradientScalingTrainer(model=model, args=args, train_dataset=Sequences(), callbacks=[recorder], make_gradient_scaler=make_scaler)
+        recorder.trainer = trainer
+        trainer.train()
+        skipped[name] = recorder.skipped
+    assert skipped["reference"] == [False] * 20
+    assert skipped["gs"] == [False] * 20

@@ -138,9 +138,9 @@ def test_non_finite_gradient_skips_step_and_recovers() -> None:
 
 
 def test_overflow_the_model_cannot_see_backs_off_until_finite() -> None:
-    """An op after the cast multiplies the gradient by 64, so the cast's scale overflows fp16
-    downstream. Steps are skipped, weights stay intact, and the cap on the accumulated scale
-    halves per skip until steps go through."""
+    """An op after the cast multiplies the gradient by 64 (a tensor of 64s: a product by a constant
+    scalar is a gain the update sees), so the cast's scale overflows fp16 downstream. Steps are
+    skipped, weights stay intact, and the cap on the accumulated scale halves per skip until steps go through."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
@@ -152,7 +152,7 @@ def test_overflow_the_model_cannot_see_backs_off_until_finite() -> None:
         before = [p.detach().clone() for p in model.parameters()]
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x) * 64.0).float() * upstream).sum()
+            loss = ((model(x) * torch.full((64,), 64.0, dtype=torch.float16)).float() * upstream).sum()
         scaler.backward(loss)
         stepped.append(scaler.step(optimizer))
         assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.graph import walk
+from gs_lightning.scaling.update import node_gains
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14  # fp16's smallest normal, the default λmin
@@ -114,3 +116,13 @@ def test_gemm_scale_meets_target_in_fp16() -> None:
     below = lambda g: float((g.abs() < threshold).double().mean())
     assert below(grad.float()) <= TARGET
     assert below(grad.float() / 2) > TARGET  # half the scale misses the target
+
+
+def test_a_product_by_a_constant_counts_as_a_gain() -> None:
+    """The scaler's own factors, recorded by ``create_graph=True``, multiply a second backward's gradient
+    (a gradient penalty): an update counts a product by a constant scalar as a gain, as it does a batch norm's."""
+    x = torch.randn(4, 8, requires_grad=True)
+    graph = walk(((x * 64.0).tanh() * 0.5).sum().grad_fn)
+    gains = {graph.names[j]: gain for j, gain in node_gains(graph).items()}
+    assert gains == {"MulBackward0": 64.0}
+

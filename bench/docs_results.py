@@ -380,6 +380,7 @@ def demo_output(run: Recorded) -> str:
     text = run.output
     start = text.find("Final metrics:")
     text = text[start:] if start >= 0 else text
+    text = re.sub(r"/\S*?/outputs/", "<repo>/outputs/", text)  # wherever the run's checkout was
     text = text.replace(str(ROOT), "<repo>").replace(str(Path.home()), "~")
     text = re.sub(r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}", "<date>", text)
     return text.rstrip() + "\n"

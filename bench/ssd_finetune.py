@@ -211,16 +211,16 @@ class GroupedUnderflowMeter(UnderflowMeter):
         super().add(exact, rounded)
         self._groups.append(self.group)
 
-    def collect(self) -> list[float]:
-        """Per-tensor underflow since the last call; also appends each group's mean to :attr:`history`."""
+    def collect_with_oracle(self) -> tuple[list[float], list[float]]:
+        """Per-tensor underflow (and the oracle's) since the last call; also appends each group's mean to :attr:`history`."""
         groups, self._groups = self._groups, []
-        fractions = super().collect()
+        fractions, oracle = super().collect_with_oracle()
         for group in GROUPS:
             mine = [f for f, g in zip(fractions, groups) if g == group]
             self.counts[group] = len(mine)
             if mine:
                 self.history[group].append(statistics.fmean(mine))
-        return fractions
+        return fractions, oracle
 
 
 def is_head(layer_name: str) -> bool:

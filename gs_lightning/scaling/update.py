@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 from torch.autograd.graph import Node
+from torch.utils._python_dispatch import _disable_current_modes
 
 from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.formats import FORMATS
@@ -270,7 +271,12 @@ def constant_factor(node: Node) -> torch.Tensor | None:
     gradient penalty) meets them as gains of 2^β that no decision sees.
     """
     factor = saved_tensor(node, "other")
-    return factor.detach().abs().float() if factor is not None and factor.dim() == 0 and factor.is_floating_point() else None
+    if factor is None or factor.dim() != 0 or not factor.is_floating_point():
+        return None
+    # A Python scalar is saved as a wrapped-number tensor, which a dispatch mode (the fp16 emulation, a
+    # FLOP counter) receives as a float and cannot run ops on: read it outside the modes (a CPU scalar).
+    with _disable_current_modes():
+        return factor.detach().abs().float()
 
 
 SAVED_GRADIENTS = ("grad_output", "grad_out")

@@ -376,7 +376,7 @@ class GradientScaler:
         maxima = [values[index[id(t)]] for t in local if id(t) in index]
         non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
         if self._sharded or any(g is not t for g, t in zip(grads, local)):
-            non_finite = _any_rank(non_finite, dense[0].device if dense else local[0].device)
+            non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)  # every rank joins, gradients or not
         if self._drift_read:
             return non_finite
         self._drift_read = True

@@ -29,6 +29,7 @@ from gs_lightning.fabric.methods import (
     Scaler,
 )
 from gs_lightning.fabric.packages import FABRIC_PRECISIONS
+from gs_lightning.scaling.scaler import is_fsdp1_unit
 
 # Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
 _FABRIC_FSDP_PRECISIONS: tuple[type, ...] = tuple(import_module(cls.__module__.rpartition(".")[0]).FSDPPrecision for cls in FABRIC_PRECISIONS)
@@ -67,7 +68,7 @@ def refuse_unsupported_parallelism(plugin: object, *wrappers: object) -> None:
                 "FSDP... plugins) or ModelParallelStrategy instead."
             )
         for module in wrapper.modules() if isinstance(wrapper, nn.Module) else ():
-            policy = module.mixed_precision if _is_fsdp1(module) else None
+            policy = module.mixed_precision if is_fsdp1_unit(module) else None
             if policy is not None and (policy.param_dtype in _FLUSHING_DTYPES or policy.reduce_dtype in _FLUSHING_DTYPES):
                 raise ValueError(
                     f"{name}: FSDP's MixedPrecision(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}) "
@@ -76,12 +77,6 @@ def refuse_unsupported_parallelism(plugin: object, *wrappers: object) -> None:
                 )
 
 
-def _is_fsdp1(module: nn.Module) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FullyShardedDataParallel  # imports torch.distributed's FSDP machinery: only here
-
-    return isinstance(module, FullyShardedDataParallel)
 
 
 def fp32_sharding_policy() -> Any:

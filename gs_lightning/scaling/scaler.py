@@ -910,13 +910,17 @@ def _refuse_fp16_communication(model: nn.Module) -> None:
             )
 
 
-def _holds_fsdp1(model: nn.Module) -> bool:
-    """Whether ``model`` is or holds a ``FullyShardedDataParallel`` unit (FSDP1: plain tensors, each rank's shard)."""
+def is_fsdp1_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``FullyShardedDataParallel`` unit (FSDP1: plain tensors, each rank's shard)."""
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel  # imports torch.distributed's FSDP machinery: only here
 
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _holds_fsdp1(model: nn.Module) -> bool:
+    return any(is_fsdp1_unit(m) for m in model.modules())
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

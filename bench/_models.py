@@ -42,9 +42,9 @@ class Config:
     """Input and width of one workload at one size.
 
     Attributes:
-        batch_size: Images per batch.
-        height: Image height (SSD: also its width; the SSD input size is fixed).
-        width: Image width.
+        batch_size: Images (sequences) per batch.
+        height: Image height (SSD: also its width; the SSD input size is fixed); a sequence's length.
+        width: Image width; the Transformer's model width.
         width_mult: Channel-width multiplier of the network (1.0 = the real network).
     """
 
@@ -66,15 +66,21 @@ CONFIGS: dict[str, dict[Size, Config]] = {
     "ssd300": {"realistic": Config(8, 300, 300), "small": Config(1, 300, 300, 0.125)},
     "ssd512": {"realistic": Config(8, 512, 512), "small": Config(1, 512, 512, 0.0625)},
     "segnet": {"realistic": Config(12, 360, 480), "small": Config(4, 48, 64, 0.25)},
+    "resnet50": {"realistic": Config(64, 224, 224), "small": Config(2, 32, 32)},
+    # BERT-base's encoder shape (12 layers, width 768, 12 heads) on 128-token sequences.
+    "transformer": {"realistic": Config(32, 128, 768), "small": Config(4, 16, 64)},
 }
 MODELS: tuple[str, ...] = tuple(CONFIGS)
-TITLES = {"resnet18": "ResNet-18", "vgg16": "VGG-16", "ssd300": "SSD300", "ssd512": "SSD512", "segnet": "SegNet-basic"}
+TITLES = {
+    "resnet18": "ResNet-18", "vgg16": "VGG-16", "ssd300": "SSD300", "ssd512": "SSD512", "segnet": "SegNet-basic",
+    "resnet50": "ResNet-50", "transformer": "Transformer encoder",
+}
 
 # SGD learning rates of the warm-up steps (momentum 0.9): each recipe's (ResNet: Goyal et al.'s
 # 0.1 per 256 images at batch 32), SegNet's halved because its labels here are noisier.
-_LEARNING_RATES = {"resnet18": 0.0125, "vgg16": 0.01, "ssd300": 1e-3, "ssd512": 1e-3, "segnet": 0.05}
+_LEARNING_RATES = {"resnet18": 0.0125, "vgg16": 0.01, "ssd300": 1e-3, "ssd512": 1e-3, "segnet": 0.05, "resnet50": 0.025, "transformer": 1e-3}
 
-_NUM_CLASSES = {"resnet18": 1000, "vgg16": 1000, "ssd300": 21, "ssd512": 21, "segnet": 11}
+_NUM_CLASSES = {"resnet18": 1000, "vgg16": 1000, "ssd300": 21, "ssd512": 21, "segnet": 11, "resnet50": 1000, "transformer": 10}
 
 
 @dataclass
@@ -136,9 +142,12 @@ def build(name: str, size: Size, device: torch.device, seed: int = 0) -> Workloa
     torch.manual_seed(seed)
     # The synthetic "dataset" (class patterns, colours) comes from its own stream, drawn first.
     data = torch.Generator().manual_seed(seed)
-    if name == "resnet18":
-        model = build_resnet("resnet18", num_classes)
+    if name in ("resnet18", "resnet50"):
+        model = build_resnet(name, num_classes)
         make_batch, criterion = _classification(config, num_classes, data, device)
+    elif name == "transformer":
+        model = _TransformerClassifier(config, num_classes)
+        make_batch, criterion = _sequences(config, num_classes, data, device)
     elif name == "vgg16":
         model = _vgg16(num_classes, config.width_mult)
         make_batch, criterion = _classification(config, num_classes, data, device)
@@ -149,6 +158,42 @@ def build(name: str, size: Size, device: torch.device, seed: int = 0) -> Workloa
         model = SegNetBasic(num_classes, width=_scaled(64, config.width_mult))
         make_batch, criterion = _segmentation(config, num_classes, data, device)
     return Workload(name, config, model.to(device).train(), device, make_batch, criterion, _LEARNING_RATES[name])
+
+
+class _TransformerClassifier(nn.Module):
+    """Token embeddings, a pre-norm Transformer encoder (GELU, 4x feed-forward) and a mean-pooled linear head."""
+
+    VOCABULARY = 1000
+
+    def __init__(self, config: Config, num_classes: int) -> None:
+        super().__init__()
+        width = config.width
+        self.embed = nn.Embedding(self.VOCABULARY, width)
+        layer = nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 12 if width >= 768 else 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def _sequences(
+    config: Config, num_classes: int, data: torch.Generator, device: torch.device
+) -> tuple[Callable[[torch.Generator], Batch], Callable[[Tensor, Tensor], Tensor]]:
+    """Token sequences whose class sets the frequency of a few marker tokens; cross-entropy."""
+    markers = torch.randint(0, _TransformerClassifier.VOCABULARY, (num_classes,), generator=data)
+
+    def make_batch(generator: torch.Generator) -> Batch:
+        labels = torch.randint(0, num_classes, (config.batch_size,), generator=generator)
+        tokens = torch.randint(0, _TransformerClassifier.VOCABULARY, (config.batch_size, config.height), generator=generator)
+        marked = torch.rand(config.batch_size, config.height, generator=generator) < 0.25
+        tokens = torch.where(marked, markers[labels].unsqueeze(1), tokens)
+        return tokens.to(device), labels.to(device)
+
+    def criterion(logits: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(logits.float(), labels)
+
+    return make_batch, criterion
 
 
 def _scaled(channels: int, width_mult: float) -> int:

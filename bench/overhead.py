@@ -85,7 +85,7 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         return (time.perf_counter() - start) / repeats * 1e3
 
     graph = walk(loss.grad_fn)
-    plan, analysis = scaler._plans[()], scaler._analyses[()]
+    plan, analysis = scaler.graphs[-1].plans[()], scaler.graphs[-1].analyses[()]
     leaves = LeafTargets(deferred=frozenset(analysis.leaf_sources))
 
     def register() -> tuple[list, list]:  # the plan's factors, and what keeps operands for recomputing weight gradients
@@ -104,7 +104,7 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         "hooks": len(factors) + len(keepers),
         "of which keep operands to recompute weight gradients": len(keepers),
         "walk ms": per_call(lambda: walk(loss.grad_fn)),
-        "structure check ms": per_call(lambda: scaler._plans[()].matches(graph)),
+        "structure check ms": per_call(lambda: scaler.graphs[-1].plans[()].matches(graph)),
         "hook register+remove ms": per_call(register_and_remove),
     }
 

@@ -125,7 +125,7 @@ def measure(entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1,
             result.nondeterministic = len(unstable)
             result.exact_update = _equal(grads["plain"], grads["update"], unstable)
             result.exact_replay = _equal(grads["plain"], grads["replay"], unstable)
-            result.layers = [asdict(layer) for layer in update.layers()]
+            result.layers = [layer.state_dict() for layer in update.layers()]
             samples: dict[str, list[float]] = {m: [] for m in METHODS}
             for round_ in range(warmup + rounds):
                 for method in METHODS:

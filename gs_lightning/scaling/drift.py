@@ -297,13 +297,6 @@ class GradientDrift:
         self.expected = {leaf: v for leaf, v in zip(leaves, expected) if math.isfinite(v)}
         return self.expected, {leaf: v for leaf, v in zip(leaves, level) if math.isfinite(v)}
 
-    def clear_recent(self) -> None:
-        """Forget the recent and expected maxima and the gradients zero at the update (the graph's
-        structure changed: leaf indices name other tensors)."""
-        self.recent.clear()
-        self.expected = {}
-        self.zero_at_update = frozenset()
-
     def state_dict(self) -> dict[str, Any]:
         """The reference maxima, the gradients zero at the update, the expected and the recent maxima, as plain containers."""
         return {
@@ -425,10 +418,6 @@ class LayerBackoff:
                 del self.caps[i]
             else:
                 self.caps[i] = (cap + 1, iteration)
-
-    def clear(self) -> None:
-        """Forget every cap (the graph's structure changed)."""
-        self.caps.clear()
 
     def state_dict(self) -> list[list[int]]:
         """The caps, as plain containers."""

@@ -3,8 +3,9 @@
 How it runs, in brief:
 
 * Every backward walks the new autograd graph (a few hundred nodes: well under a millisecond).
-* On an **update** iteration (the first, after a skipped step, when the graph's structure
-  changed, when the gradients drifted a binade below the last update's or a weight gradient rose
+* Each graph structure keeps its own plan and schedule (:mod:`~gs_lightning.scaling.graph_scales`):
+  graphs that alternate (two losses with their own optimizers, a gradient penalty) replay their own.
+* On an **update** iteration (a structure's first, after a skipped step, when the gradients drifted a binade below the last update's or a weight gradient rose
   above what the last update expected of it by more than its layer's margin, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
@@ -32,10 +33,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from collections.abc import Iterator
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +46,6 @@ from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerP
 from gs_lightning.scaling.drift import (
     DriftReading,
     GradientDrift,
-    LayerBackoff,
     overflow_caps,
     largest_magnitudes,
     overflow_leaves,
@@ -56,6 +55,7 @@ from gs_lightning.scaling.drift import (
 from gs_lightning.scaling.finite import unscale_and_check_
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
+from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
@@ -66,7 +66,6 @@ _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e
 
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
-Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
 
 
 class _PreparedBackward:
@@ -84,8 +83,10 @@ class _PreparedBackward:
         run: UpdateRun | None,
         path: Path,
         parent: _PreparedBackward | None,
+        scales: GraphScales,
     ) -> None:
         self.graph = graph
+        self.scales = scales  # the state of the loss graph's structure, which inner graphs share
         self.analysis = analysis
         self.leaves = leaves
         self.run = run
@@ -162,20 +163,15 @@ class GradientScaler:
         self._iteration = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
-        self._plans: dict[Path, ScalePlan] = {}  # the loss's graph's, and each reentrant checkpoint's inner graph's
-        self._analyses: dict[Path, GraphAnalysis] = {}
-        self._force_update = False
+        self._graphs = GraphRegistry()  # plans, schedule, drift and back-off of each graph structure run
+        self._ran: list[GraphScales] = []  # the structures whose backward ran since the last update()
+        self._unread: list[GraphScales] = []  # those whose queued weight-gradient maxima the step has not read yet
         self._backoff: int | None = None
-        self._last_skip = 0  # iteration of the last skipped step
-        self._layers: dict[str, LayerScale] = {}
-        self._first_non_finite: str | None = None
-        self._drift = self._new_drift()  # largest weight gradients: drift, recent maxima, overflows
-        self._layer_backoff = LayerBackoff()  # caps on the layers an overflow came from
         self._recompute = WeightGradRecompute(self.format.max)  # what the replay keeps to recompute weight gradients that overflow
+        self._recompute_graph: GraphScales | None = None  # the structure whose replay kept them
         self._recomputed_steps = 0
         self._update_iterations = 0
         self._prepared: _PreparedBackward | None = None
-        self._drift_read = True  # whether the maxima the backwards queued since the last step were read
         self._written: dict[int, torch.Tensor] = {}  # leaves the backwards since the last step reached
         self._optimizer_stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
         self._optimizer_found_inf: dict[int, bool] = {}
@@ -238,8 +234,16 @@ class GradientScaler:
     @property
     def first_non_finite(self) -> str | None:
         """The first layer, in backward order, whose incoming or weight gradient was non-finite on the
-        last update iteration (``None`` if every one was finite)."""
-        return self._first_non_finite
+        last update iteration of the graph that ran last (``None`` if every one was finite)."""
+        current = self._graphs.current
+        return current.first_non_finite if current is not None else None
+
+    @property
+    def graphs(self) -> tuple[GraphScales, ...]:
+        """What the scaler keeps per backward graph structure (plans, schedule, drift, back-off), least
+        recently run first: one for a single loss; one each for graphs that alternate (two losses with their
+        own optimizers, a gradient penalty, a GAN), which replay their own plans."""
+        return tuple(self._graphs)
 
     def attach(self, model: nn.Module) -> None:
         """Name layers after ``model``'s modules and restore its buffers on a skipped step.
@@ -254,7 +258,7 @@ class GradientScaler:
         self._sharded = self._sharded or _holds_fsdp1(model)
         self._module_names = {**_module_names(model), **self._module_names}
         self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
-        self._analyses.clear()  # layer names are decided with the analysis
+        self._graphs.clear_analyses()  # layer names are decided with the analysis
         self._buffer_copy = [b.detach().clone() for b in self._buffers()]
         instrumented = {id(m) for m in self._compiled}
         self._compiled += [m for m in compiled_modules(model, self) if id(m) not in instrumented]
@@ -287,8 +291,7 @@ class GradientScaler:
         joined, root = join_outputs(tensors)
         if root is None:
             return outputs
-        update = self._force_update or self._iteration % self.recipe.update_interval == 0
-        self._prepared = self._prepare(root, (), update)
+        self._prepared = self._prepare(root, ())
         return outputs if len(tensors) == 1 else _unflatten(outputs, iter(joined))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
@@ -366,7 +369,9 @@ class GradientScaler:
         Where that reading finds weight gradients that overflowed by themselves at GEMMs the replay kept
         the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again.
         """
-        queued = [] if self._drift_read else self._drift.pending()
+        unread = self._unread
+        pending = [graph.drift.pending() for graph in unread]
+        queued = [t for tensors in pending for t in tensors]
         local = [_local(g) for g in grads]  # a sharded gradient (FSDP2's DTensor): this rank's shard, flag reduced below
         dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())  # queued first
         readings = [largest_magnitudes(dense)] if dense else []
@@ -377,16 +382,18 @@ class GradientScaler:
         non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
         if self._sharded or any(g is not t for g, t in zip(grads, local)):
             non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)  # every rank joins, gradients or not
-        if self._drift_read:
+        if not unread:
             return non_finite
-        self._drift_read = True
-        self._drift.read(values[: len(queued)])
-        recomputed = self._recompute_overflows()
-        if self._drift.last.drifted and not self._surprise_within_margin():
-            self._force_update = True
+        self._unread = []
+        for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
+            graph.drift.read([values[index[id(t)]] for t in tensors])
+        recomputed = self._recompute_graph in unread and self._recompute_overflows(self._recompute_graph)
+        for graph in unread:
+            if graph.drift.last.drifted and not self._surprise_within_margin(graph):
+                graph.force_update = True
         return self._check(grads) if recomputed else non_finite
 
-    def _surprise_within_margin(self) -> bool:
+    def _surprise_within_margin(self, graph: GraphScales) -> bool:
         """Where weight gradients rising above what the last update expected of them is all that asks for an
         update, and each is computed at a scale an update expecting it would allow (the margin above
         expected maxima intact, :func:`~gs_lightning.scaling.drift.within_margin`): expect those values
@@ -395,20 +402,20 @@ class GradientScaler:
         The update such a rise asked for before would not lower those layers on its account: SegNet's
         updates were 40 of 47 of these, 0.01-0.62 binades above what was expected (README "How it works").
         """
-        reading = self._drift.last
-        plan, analysis = self._plans.get(()), self._analyses.get(())
+        reading = graph.drift.last
+        plan, analysis = graph.plans.get(()), graph.analyses.get(())
         if not reading.surprised or reading.non_finite or reading.shrank or plan is None or analysis is None:
             return False
         margin = self.recipe.expected_maxima_margin_log2
         if not within_margin(analysis, plan, reading.surprised, partial(expected_total, lambda_max=self.format.max, margin_log2=margin)):
             return False
-        self._drift.raise_expected(reading.surprised)
+        graph.drift.raise_expected(reading.surprised)
         return True
 
-    def _recompute_overflows(self) -> bool:
+    def _recompute_overflows(self, graph: GraphScales) -> bool:
         """Where every non-finite gradient is a weight gradient that overflowed by itself at a GEMM the replay
         kept the operands of, recompute those in fp32 into ``.grad``; whether it did (the step can go on)."""
-        reading = self._drift.last
+        reading = graph.drift.last
         if not reading.non_finite:
             return False
         grads = self._recompute.recompute(reading.non_finite)
@@ -417,7 +424,7 @@ class GradientScaler:
         for parameter, grad in grads.values():
             parameter.grad.copy_(grad)
         maxima = largest_magnitudes([grad for _, grad in grads.values()]).tolist()
-        self._drift.recomputed(dict(zip(grads, maxima)))
+        graph.drift.recomputed(dict(zip(grads, maxima)))
         self._recomputed_steps += 1
         return True
 
@@ -441,34 +448,44 @@ class GradientScaler:
             )
         self._optimizer_stage.clear()
         self._optimizer_found_inf.clear()
-        self._drift_read = True
-        self._drift.discard()
+        for graph in self._unread:
+            graph.drift.discard()
+        self._unread, self._ran = [], []
         self._recompute.clear()
         self._written.clear()
         self._skipped_this_iteration = False
 
     def scales(self) -> dict[str, float]:
         """{layer name: local scale β last chosen}, for every decision point."""
-        return {name: 2.0**layer.log2_scale for name, layer in self._layers.items()}
+        return {name: 2.0**layer.log2_scale for name, layer in self._layers().items()}
 
     def underflow_rates(self) -> dict[str, float]:
         """{layer name: the estimated underflow rate at the chosen scale} (NaN where no model applies)."""
-        return {name: layer.underflow_rate for name, layer in self._layers.items()}
+        return {name: layer.underflow_rate for name, layer in self._layers().items()}
 
     def layers(self) -> list[LayerScale]:
-        """Everything the last update chose, layer by layer, in backward order."""
-        return list(self._layers.values())
+        """Everything the last update chose, layer by layer, in backward order (of each graph structure,
+        least recently run first, where several alternate; a layer in two keeps the later one's)."""
+        return list(self._layers().values())
+
+    def _layers(self) -> dict[str, LayerScale]:
+        merged: dict[str, LayerScale] = {}
+        for graph in self._graphs:
+            merged.update(graph.layers)
+        return merged
 
     @property
     def drift(self) -> DriftReading:
         """What the last step read of the gradients between updates: by how many binades a scale
         group's gradients shrank below the update that chose its scale (≥ 1 makes the next backward
         an update), by how many a weight gradient rose above what that update expected of it
-        (> 0 does too), and which gradients were non-finite. Read in the step's one synchronisation."""
-        return self._drift.last
+        (> 0 does too), and which gradients were non-finite, for the graph that ran last. Read in the step's
+        one synchronisation."""
+        current = self._graphs.current
+        return current.drift.last if current is not None else DriftReading()
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state: counters, back-off and every scale of the last update (plain containers)."""
+        """The scaler's state: counters, back-off and, per graph structure, every scale of its last update (plain containers)."""
         return {
             "recipe": self.recipe.state_dict(),
             "iteration": self._iteration,
@@ -476,22 +493,16 @@ class GradientScaler:
             "recomputed_steps": self._recomputed_steps,
             "update_iterations": self._update_iterations,
             "consecutive_skips": self._consecutive_skips,
-            "force_update": self._force_update,
             "backoff": self._backoff,
-            "last_skip": self._last_skip,
-            "first_non_finite": self._first_non_finite,
-            "drift": self._drift.state_dict(),
-            "layer_backoff": self._layer_backoff.state_dict(),
-            "plans": [[list(path), plan.state_dict()] for path, plan in self._plans.items()],
-            "layers": [asdict(layer) for layer in self._layers.values()],
+            "graphs": self._graphs.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
-        missing = {"iteration", "skipped_steps", "force_update", "backoff", "last_skip", "layers"} - state.keys()
-        if missing:
+        missing = {"iteration", "skipped_steps", "backoff"} - state.keys()
+        if missing or not {"graphs", "layers"} & state.keys():
             raise ValueError(
-                f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing)}; got keys "
+                f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing or {'graphs'})}; got keys "
                 f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
                 "GradientScaler fresh, it decides its scales on its first backward."
             )
@@ -509,32 +520,21 @@ class GradientScaler:
         self._recomputed_steps = int(state.get("recomputed_steps", 0))
         self._update_iterations = int(state.get("update_iterations", 0))
         self._consecutive_skips = int(state.get("consecutive_skips", 0))
-        self._force_update = bool(state["force_update"])
         self._backoff = state["backoff"]
-        self._last_skip = int(state["last_skip"])
-        self._first_non_finite = state.get("first_non_finite")
-        self._drift.load_state_dict(state.get("drift", {}))
-        self._layer_backoff.load_state_dict(state.get("layer_backoff", []))
-        plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
-        self._plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in plans}
-        self._analyses = {}
-        self._layers = {layer["name"]: LayerScale(**layer) for layer in state["layers"]}
+        self._graphs.load_state_dict(state["graphs"] if "graphs" in state else _one_graph_state(state), self._new_drift)
 
     # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
-    _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_analyses",
+    _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_ran", "_unread", "_recompute_graph",
                   "_written", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan", "_recompute")
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy keeps. Without the models it names no layers and restores no buffers until :meth:`attach`."""
-        state = {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
-        state["_plans"] = {path: plan.state_dict() for path, plan in self._plans.items()}
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._plans = {path: ScalePlan.from_state_dict(plan) for path, plan in state["_plans"].items()}
         self._models, self._module_names, self._parameter_names, self._buffer_copy = [], {}, {}, []
-        self._prepared, self._analyses = None, {}
+        self._prepared, self._ran, self._unread, self._recompute_graph = None, [], [], None
         self._written = {}
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
         self._compiled, self._compiled_plan = [], None
@@ -562,7 +562,8 @@ class GradientScaler:
 
     def _updates_next(self) -> bool:
         """Whether the next backward is an update iteration (compiled modules then run their forward eagerly)."""
-        return self._force_update or self._iteration % self.recipe.update_interval == 0 or () not in self._plans
+        current = self._graphs.current
+        return current is None or current.updates_next(self.recipe.update_interval)
 
     def _prepare_compiled_replay(self, root: Node, graph: AutogradGraph) -> _PreparedBackward | None:
         """The replay of a backward through compiled modules that carry the last update's scales in their graphs.
@@ -578,7 +579,8 @@ class GradientScaler:
             for module in ran:
                 if module.unmatched:
                     module.run_eagerly("its compiled graph does not have the structure of its eager forward")
-            self._force_update = True
+            if self._graphs.current is not None:
+                self._graphs.current.force_update = True
             return None
         analysis = eager.analysis_of(graph, self._module_names)
         replay = replay_hooks(graph, analysis, eager, ran, self._deferred_leaves(graph, analysis, frozenset(), set()))
@@ -589,54 +591,60 @@ class GradientScaler:
                 "matched; compile the whole model, or keep the eager code around the compiled module the same "
                 "from one iteration to the next."
             )
-        prepared = _PreparedBackward(graph, analysis, LeafTargets(frozenset(j for j, _, _ in replay.deferred)), None, (), None)
+        leaves = LeafTargets(frozenset(j for j, _, _ in replay.deferred))
+        prepared = _PreparedBackward(graph, analysis, leaves, None, (), None, self._graphs.current)
         prepared.compiled = replay
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))  # first, as in _prepare
         prepared.handles += replay.register()
         return prepared
 
-    def _locate_compiled(self, graph: AutogradGraph) -> None:
+    def _locate_compiled(self, graph: AutogradGraph, scales: GraphScales) -> None:
         """After an update: locate each compiled module's eager forward in ``graph``, for the compiled replays."""
         if not self._compiled:
             return
         if any(m.compiled_inputs is not None for m in self._compiled):  # a region ran compiled, without this plan
             self._compiled_plan = None
-            self._force_update = True
+            scales.force_update = True
             return
         for module in self._compiled:
             module.locate(graph)
-        self._compiled_plan = EagerPlan(self._iteration, self._plans[()], self._analyses[()], graph)
+        self._compiled_plan = EagerPlan(self._iteration, scales.plans[()], scales.analyses[()], graph)
 
     def _prepare(
-        self, root: Node, path: Path, update: bool, parent: _PreparedBackward | None = None, root_alpha: int = 0, exits: frozenset[int] = frozenset()
+        self, root: Node, path: Path, parent: _PreparedBackward | None = None, root_alpha: int = 0, exits: frozenset[int] = frozenset()
     ) -> _PreparedBackward:
-        """Register the hooks of an update run, or of the plan's replay, on the graph below ``root``."""
+        """Register the hooks of an update run, or of the plan's replay, on the graph below ``root``.
+
+        The loss's graph (``path`` ``()``) finds the state of its structure (:class:`GraphScales`), whose
+        schedule says whether this backward updates; a reentrant checkpoint's inner graph shares its parent's.
+        """
         graph = walk(root)
-        if not path and not update and self._compiled:
-            prepared = self._prepare_compiled_replay(root, graph)
-            if prepared is not None:
-                return prepared
-        plan, analysis = self._plans.get(path), self._analyses.get(path)
+        if parent is None:
+            if self._compiled and not self._updates_next():
+                prepared = self._prepare_compiled_replay(root, graph)
+                if prepared is not None:
+                    return prepared
+            scales = self._graphs.of(graph, self._new_drift(), keep_others=not self._compiled)  # compiled modules replay one plan
+            update = scales.updates_next(self.recipe.update_interval)
+        else:
+            scales, update = parent.scales, parent.run is not None
+        plan, analysis = scales.plans.get(path), scales.analyses.get(path)
         known = plan is not None and plan.matches(graph)
         exit_leaves = frozenset(j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits)
         if analysis is None or not known:
-            if not path and not known:  # a new structure: the inner graphs' plans belong to the old one
-                self._plans.clear()
-                self._analyses.clear()
-                self._layer_backoff.clear()
-                self._drift.clear_recent()
-            analysis = self._analyses[path] = analyze(graph, self._module_names, exit_leaves)
+            analysis = scales.analyses[path] = analyze(graph, self._module_names, exit_leaves)
             self._check_parameters(graph, exit_leaves)
             self._warn_unhandled(graph, analysis)
         excluded = parent.leaf_ids() if parent is not None else set()
         leaves = LeafTargets(self._deferred_leaves(graph, analysis, exit_leaves, excluded), exit_leaves, root_alpha)
-        run = UpdateRun(graph, analysis, self._settings(path), leaves, self._warn_once, root_alpha) if update or not known else None
-        prepared = _PreparedBackward(graph, analysis, leaves, run, path, parent)
+        run = UpdateRun(graph, analysis, self._settings(path, scales), leaves, self._warn_once, root_alpha) if update or not known else None
+        prepared = _PreparedBackward(graph, analysis, leaves, run, path, parent, scales)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
         prepared.handles += run.register() if run is not None else plan.replay(graph, leaves)
         if not path:  # after the replay's own hooks: what is kept is what the nodes use
             self._recompute.clear()
+            self._recompute_graph = scales
             if run is None and plan.recomputable:
                 prepared.handles += self._recompute.register(graph, analysis, plan, leaves.deferred)
         for c in sorted(analysis.reentrant):  # after the run's own pre-hook, which merges c's incoming scales
@@ -645,13 +653,12 @@ class GradientScaler:
 
     def _enter_checkpoint(self, prepared: _PreparedBackward, c: int, grad_outputs: tuple) -> None:
         """Pre-hook of a reentrant checkpoint node: scale its block's inner backward too."""
-        alpha_out = prepared.run.alpha_out if prepared.run is not None else self._plans[prepared.path].alpha_out
+        alpha_out = prepared.run.alpha_out if prepared.run is not None else prepared.scales.plans[prepared.path].alpha_out
         alpha = alpha_out.get(c, 0)
-        update = prepared.run is not None
 
         def prepare_inner(root: Node, inputs: tuple[Any, ...]) -> None:
             exits = frozenset(id(t) for t in inputs if isinstance(t, torch.Tensor))
-            prepared.inner.append(self._prepare(root, (*prepared.path, c), update, prepared, alpha, exits))
+            prepared.inner.append(self._prepare(root, (*prepared.path, c), prepared, alpha, exits))
 
         intercept_recomputation(prepared.graph.nodes[c], prepare_inner)
 
@@ -685,7 +692,7 @@ class GradientScaler:
             below = [e[0] for e in graph.edges[i] if e is not None]
             if below and not any(_will_execute(graph.nodes[j]) is not False for j in below):
                 targets.add(i)
-        source = prepared.run if prepared.run is not None else self._plans[prepared.path]
+        source = prepared.run if prepared.run is not None else prepared.scales.plans[prepared.path]
         for i, edges in enumerate(graph.edges):
             for k, edge in enumerate(edges):
                 if edge is not None and edge[0] in targets:
@@ -698,33 +705,36 @@ class GradientScaler:
         graph, analysis, run = prepared.graph, prepared.analysis, prepared.run
         if run is not None:
             run.complete()
-        deferred = prepared.leaves.deferred
-        self._drift_read = False
+        deferred, scales = prepared.leaves.deferred, prepared.scales
         already: list[tuple[int, torch.Tensor, int]] = []  # unscaled as they accumulated: measured, not unscaled again
         if prepared.compiled is not None:  # leaf indices and scales of the eager update, which the drift compares with
             unscaled = [(e, graph.nodes[j].variable, alpha) for j, e, alpha in prepared.compiled.deferred]
         else:
-            alpha_out = run.alpha_out if run is not None else self._plans[prepared.path].alpha_out
+            alpha_out = run.alpha_out if run is not None else scales.plans[prepared.path].alpha_out
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
             already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in deferred | prepared.leaves.exits]
-        unscale_and_measure(unscaled, self._drift if not prepared.path and self._measures_drift() else None, run is not None, already)
+        unscale_and_measure(unscaled, scales.drift if not prepared.path and self._measures_drift() else None, run is not None, already)
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self._written[id(variable)] = variable
         if prepared.parent is not None:  # an inner graph: its outer backward goes on
             if run is not None:
-                self._plans[prepared.path] = run.plan()
+                scales.plans[prepared.path] = run.plan()
                 if prepared.parent.run is not None:
                     prepared.parent.run.absorb(run)
             return
         self._prepared = None
+        for queue in (self._unread, self._ran):
+            if scales not in queue:
+                queue.append(scales)
         if run is not None:
-            self._finish_update(run)
+            self._finish_update(run, scales)
         if run is not None or any(m.ran_eagerly for m in self._compiled):  # a replay too: after load_state_dict
-            self._locate_compiled(graph)
+            self._locate_compiled(graph, scales)
         for module in self._compiled:
             module.end_iteration()
         self._iteration += 1
+        scales.backwards += 1
 
     def _deferred_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]) -> frozenset[int]:
         """Leaves whose gradient can wait for the fused unscale after the backward.
@@ -747,7 +757,7 @@ class GradientScaler:
                 deferred.append(j)
         return frozenset(deferred)
 
-    def _settings(self, path: Path) -> Settings:
+    def _settings(self, path: Path, scales: GraphScales) -> Settings:
         # Not where a compiled module replays the scales (its graph keeps nothing to recompute from),
         # nor in a format that saturates instead of overflowing.
         recipe = self.recipe
@@ -755,7 +765,7 @@ class GradientScaler:
         caps = [c for c in (self._backoff, _log2_floor(recipe.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
         # Expected maxima keep the batches to come from skipping; a saturating format clips a rare spike
         # instead. Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
-        expected, levels = ({}, {}) if self.format.saturates or path or recipe.expected_maxima_margin_log2 is None else self._drift.expect()
+        expected, levels = ({}, {}) if self.format.saturates or path or recipe.expected_maxima_margin_log2 is None else scales.drift.expect()
         return Settings(
             underflow_rate=recipe.underflow_rate,
             lambda_min=self.lambda_min_value,
@@ -764,23 +774,23 @@ class GradientScaler:
             relu_factor=recipe.relu_factor,
             layer_cap=_log2_floor(recipe.max_layer_scale),
             total_cap=min(caps) if caps else None,
-            node_caps=self._layer_backoff.node_caps() if not path else {},
+            node_caps=scales.layer_backoff.node_caps() if not path else {},
             expected_maxima=expected,
             recompute=recompute,
             level_maxima=levels if recompute else {},
             recipe=recipe,
         )
 
-    def _finish_update(self, run: UpdateRun) -> None:
+    def _finish_update(self, run: UpdateRun, scales: GraphScales) -> None:
         # Relax the cap only after a full interval without a skipped step (update_interval=1 included).
-        interval = self.recipe.update_interval
-        scheduled = self._iteration % interval == 0 and self._iteration - self._last_skip >= interval
+        interval, backwards = self.recipe.update_interval, scales.backwards
+        scheduled = backwards % interval == 0 and backwards - scales.last_skip >= interval
         self._update_iterations += 1
-        self._plans[()] = run.plan()
-        self._layers = {layer.name: layer for layer in run.layers}
-        self._first_non_finite = run.first_non_finite()
-        self._force_update = False
-        self._layer_backoff.relax(run.alpha_out, self._iteration, interval)
+        scales.plans[()] = run.plan()
+        scales.layers = {layer.name: layer for layer in run.layers}
+        scales.first_non_finite = run.first_non_finite()
+        scales.force_update = False
+        scales.layer_backoff.relax(run.alpha_out, backwards, interval)
         if self._backoff is not None and scheduled:
             largest = max(run.alpha_out.values(), default=0)
             # One bit per clean interval; drop the cap once it no longer binds.
@@ -792,21 +802,26 @@ class GradientScaler:
         self._skipped_this_iteration = True
         self._skipped_steps += 1
         self._consecutive_skips += 1
-        plan, analysis, reading = self._plans.get(()), self._analyses.get(()), self._drift.last
-        known = plan is not None and analysis is not None and reading.some_overflowed
-        caps = overflow_caps(analysis, plan, reading.non_finite, self.recipe.backoff_bits) if known else {}
-        self._drift.keep_overflows_of(overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset())
-        if caps:  # the overflowing layers are known: lower those only
-            self._layer_backoff.lower(caps, self._iteration, self.recipe.min_backoff_log2)
-        else:
-            largest = max((a for plan in self._plans.values() for a in plan.alpha_out.values()), default=0)
+        ran = self._ran or ([self._graphs.current] if self._graphs.current is not None else [])
+        named = False
+        for scales in ran:  # the structures whose gradients this step would have used
+            plan, analysis, reading = scales.plans.get(()), scales.analyses.get(()), scales.drift.last
+            known = plan is not None and analysis is not None and reading.some_overflowed
+            caps = overflow_caps(analysis, plan, reading.non_finite, self.recipe.backoff_bits) if known else {}
+            scales.drift.keep_overflows_of(overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset())
+            if caps:  # the overflowing layers are known: lower those only
+                scales.layer_backoff.lower(caps, scales.backwards, self.recipe.min_backoff_log2)
+                named = True
+            scales.last_skip = scales.backwards
+            scales.force_update = True
+        if not named:
+            largest = max((a for scales in ran for plan in scales.plans.values() for a in plan.alpha_out.values()), default=0)
             cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
             self._backoff = max(cap, self.recipe.min_backoff_log2)
-        self._last_skip = self._iteration
-        self._force_update = True
         self._restore_buffers()
         if self.max_consecutive_skips is not None and self._consecutive_skips > self.max_consecutive_skips:
-            where = f"layer {self._first_non_finite!r}" if self._first_non_finite else "the loss (no layer had a non-finite gradient)"
+            first = next((scales.first_non_finite for scales in ran if scales.first_non_finite), None)
+            where = f"layer {first!r}" if first else "the loss (no layer had a non-finite gradient)"
             raise RuntimeError(
                 f"GradientScaler: {self._consecutive_skips} optimizer steps in a row were skipped for non-finite "
                 f"gradients (max_consecutive_skips={self.max_consecutive_skips}); the first non-finite gradient in "
@@ -961,6 +976,19 @@ def _module_names(model: nn.Module) -> dict[int, str]:
         for param in module.parameters(recurse=False):
             names.setdefault(id(param), name or type(module).__name__)
     return names
+
+
+def _one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """A state saved before the scaler kept one state per graph structure, as :meth:`GraphRegistry.state_dict` has it."""
+    plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
+    root = next((plan for path, plan in plans if not path), None)
+    if root is None:
+        return []
+    return [{
+        "names": root["names"], "edges": root["edges"], "plans": plans, "drift": state.get("drift", {}),
+        "layer_backoff": state.get("layer_backoff", []), "layers": state["layers"], "first_non_finite": state.get("first_non_finite"),
+        "backwards": state["iteration"], "last_skip": state.get("last_skip", 0), "force_update": state.get("force_update", False),
+    }]
 
 
 def _log2_floor(value: float | None) -> int | None:

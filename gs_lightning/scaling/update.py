@@ -11,7 +11,8 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Container, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 from functools import partial
 
 import torch
@@ -22,17 +23,16 @@ from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.graph import (
     BATCH_NORM_NODES,
-    BIAS_GRADIENT,
     GEMM_OPERANDS,
     RNN_NODES,
     WEIGHT_GRAD_BOUNDS,
-    WEIGHT_GRADIENT,
     AutogradGraph,
     GraphAnalysis,
     Slot,
     batch_norm_gain,
     saved_tensor,
 )
+from gs_lightning.scaling.limits import Bound, Limit, describe, parse
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
 from gs_lightning.scaling.recipe import ScalingRecipe
@@ -104,16 +104,11 @@ class LayerScale:
         measured_underflow: The largest fraction of the exact fp32 probe values of its outputs
             (what it sends on and its weight gradient; a cast's own gradient) left below λmin at
             that scale, measured on the update iteration (``None`` where nothing was probed).
-        limited_by: Empty when the scale is the smallest that meets γ'; otherwise what kept it
-            lower: ``"overflow of <tensor>"`` (``"overflow of the parameter gradients of recent
-            batches"``: the values its weight and bias gradients are expected to reach, from the last
-            ``update_interval`` steps; :data:`SPIKE_ROOM` where more room was kept for them because
-            its outputs still meet γ' against the format's subnormal range; :data:`RECOMPUTED_SPIKES`
-            where their level and a share of their spikes bound it, the replays recomputing them if
-            they overflow; :data:`FED_PARAMETER_GRADIENTS`: those of the normalisation it feeds), :data:`KEPT_DOWNSTREAM`
-            (the layers it feeds are held lower by their parameter gradients), ``"max_layer_scale"``,
-            ``"accumulated-scale cap"`` (``max_total_scale``, or the back-off after an overflow no
-            layer could be named for) or ``"back-off of this layer"`` (after its gradients overflowed).
+        limit: Why the scale is below the smallest that meets γ' (:class:`~gs_lightning.scaling.limits.Limit`):
+            ``NONE`` where it is not; an overflow bound (the tensor it keeps from overflowing), a rule
+            beyond the paper, or a cap.
+        limit_index: Which input (``INPUT_GRADIENT``) or output (``OUTPUT``) the bound is on, where the
+            node has several.
     """
 
     name: str
@@ -122,7 +117,26 @@ class LayerScale:
     log2_total: int
     underflow_rate: float
     measured_underflow: float | None = None
-    limited_by: str = ""
+    limit: Limit = Limit.NONE
+    limit_index: int | None = None
+
+    @property
+    def limited_by(self) -> str:
+        """:attr:`limit` as text: empty, ``"overflow of the gradient of input 1"``, ``"back-off of this layer"``, ..."""
+        return describe(self.limit, self.limit_index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain containers only: the limit by its name."""
+        return {**asdict(self), "limit": self.limit.name}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> LayerScale:
+        """Rebuild :meth:`state_dict`'s layer (or one saved with the limit's text, ``limited_by``)."""
+        fields = {k: v for k, v in state.items() if k not in ("limit", "limited_by")}
+        if "limit" in state:
+            return cls(**fields, limit=Limit[state["limit"]])
+        limit, index = parse(state.get("limited_by", ""))
+        return cls(**{**fields, "limit_index": index}, limit=limit)
 
 
 def stats(*values: torch.Tensor) -> list[float]:
@@ -193,29 +207,10 @@ Warn = Callable[[str, str], None]
 # number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
 # NaN). Gradients needing more lie far below every low-precision format's range anyway.
 MAX_LOG2_TOTAL = 100
-# The overflow limits that are exact on the update iteration (the others bound loosely, or, as the
-# measured weight gradient, keep a margin of their own): these, and a sampled node's "output ..."
-# limits, keep ScalingRecipe.replay_headroom_log2.
-EXACT_LIMITS = frozenset({"incoming gradient", BIAS_GRADIENT})
-
-# What held a scale below the underflow bound (LayerScale.limited_by), where a rule beyond the paper did.
-EXPECTED_PARAMETER_GRADIENTS = "parameter gradients of recent batches"
-SPIKE_ROOM = f"overflow of the {EXPECTED_PARAMETER_GRADIENTS}, with room where only precision is lost"
-RECOMPUTED_SPIKES = f"{EXPECTED_PARAMETER_GRADIENTS}, a share of their spikes (the rest recomputed)"
-FED_PARAMETER_GRADIENTS = f"{EXPECTED_PARAMETER_GRADIENTS} of the layers it feeds"
-_EXPECTED = frozenset({EXPECTED_PARAMETER_GRADIENTS, RECOMPUTED_SPIKES, FED_PARAMETER_GRADIENTS})
-KEPT_DOWNSTREAM = "scale the layers it feeds keep"
-
-
 def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
     """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
     ``margin_log2`` binades (:attr:`ScalingRecipe.expected_maxima_margin_log2`) below ``lambda_max``."""
     return math.ceil(overflow_max_log2_scale(expected * 2.0**margin_log2, lambda_max)) - 1
-
-
-def _exact(limit: str) -> bool:
-    """Whether an overflow limit (named as in :meth:`UpdateRun._choose`) is exact on the update iteration."""
-    return limit in EXACT_LIMITS or limit.startswith("output")
 
 
 def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: Mapping[int, int]) -> dict[int, int]:
@@ -479,7 +474,7 @@ class UpdateRun:
         return tuple(grads)
 
     def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: int) -> int:
-        a, name = self.analysis, self.analysis.layer_names[i]
+        a = self.analysis
         if i in a.opaque:
             return self._opaque_probe(i, grad_extremes, alpha)
         try:
@@ -652,38 +647,39 @@ class UpdateRun:
         cap = self._total_cap(i)
         return exponent if cap is None else min(exponent, cap)
 
-    def _choose(self, i: int, alpha: int, lower: float, limits: dict[str, float]) -> tuple[int, str]:
-        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (by what they bound), and what held it below ``lower``.
+    def _choose(self, i: int, alpha: int, lower: float, limits: dict[Bound, float]) -> tuple[int, Bound]:
+        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits``, and what held it below ``lower``.
 
         Under expected parameter-gradient maxima, :attr:`ScalingRecipe.spike_room_log2` may lower the scale as far
         as the same bound against :attr:`Settings.lambda_lost` allows.
         """
         s, recipe = self.settings, self.settings.recipe
         # Exact bounds keep at least the replay headroom; the others are loose already.
-        limits = {name: bound - (recipe.replay_headroom_log2 if _exact(name) else 0.0) for name, bound in limits.items()}
-        upper_name, upper = min(limits.items(), key=lambda item: item[1], default=("", math.inf))
-        caps = {"max_layer_scale": s.layer_cap}
+        limits = {bound: value - (recipe.replay_headroom_log2 if bound.limit.exact else 0.0) for bound, value in limits.items()}
+        upper_bound, upper = min(limits.items(), key=lambda item: item[1], default=(Bound(Limit.NONE), math.inf))
+        caps = {Limit.LAYER_CAP: s.layer_cap}
         if s.total_cap is not None:
-            caps["accumulated-scale cap"] = s.total_cap - alpha
+            caps[Limit.TOTAL_CAP] = s.total_cap - alpha
         if i in s.node_caps:
-            caps["back-off of this layer"] = s.node_caps[i] - alpha
+            caps[Limit.BACKOFF] = s.node_caps[i] - alpha
         if i in self._kept_downstream:
-            caps[KEPT_DOWNSTREAM] = self._kept_downstream[i] - alpha
-        caps = {name: cap for name, cap in caps.items() if cap is not None}
+            caps[Limit.KEPT_DOWNSTREAM] = self._kept_downstream[i] - alpha
+        caps = {limit: cap for limit, cap in caps.items() if cap is not None}
         ceiling = min(caps.values(), default=None)
         beta = choose_log2_scale(lower, upper, ceiling)
-        if recipe.spike_room_log2 > 0.0 and limits.keys() & _EXPECTED and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
+        expected = any(bound.limit.expected for bound in limits)
+        if recipe.spike_room_log2 > 0.0 and expected and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
-            roomy = min(bound - (recipe.spike_room_log2 if name in _EXPECTED else 0.0) for name, bound in limits.items())
+            roomy = min(value - (recipe.spike_room_log2 if bound.limit.expected else 0.0) for bound, value in limits.items())
             with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
             if with_room < beta:
-                return with_room, SPIKE_ROOM
+                return with_room, Bound(Limit.SPIKE_ROOM)
         if not math.isfinite(lower) or beta >= math.ceil(lower):
-            return beta, ""
-        binding = next((name for name, cap in caps.items() if beta == cap), None)
+            return beta, Bound(Limit.NONE)
+        binding = next((limit for limit, cap in caps.items() if beta == cap), None)
         if binding is not None and (not math.isfinite(upper) or beta < math.ceil(upper) - 1):
-            return beta, binding
-        return beta, f"overflow of the {upper_name}"
+            return beta, Bound(binding)
+        return beta, upper_bound
 
     def _gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
         """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.
@@ -724,29 +720,30 @@ class UpdateRun:
             default=-math.inf,
         )
         limits = {
-            "incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max),
+            Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max),
             **{
-                f"gradient of input {k}": overflow_max_log2_scale(
+                Bound(Limit.INPUT_GRADIENT, k): overflow_max_log2_scale(
                     op.accumulation_length * grad_max * operand_stats[2 * j + 1] * self._gain_into(self.graph.edges[i][k]), s.lambda_max
                 )
                 for j, (k, op) in enumerate(operands)
             },
-            **{tensor: overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
+            **{Bound(Limit(tensor)): overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
         }
         expected = self._expected.get(i, 0.0)
         if expected > 0.0:  # unscaled: the bound on the local scale leaves room for the α it receives
-            name = RECOMPUTED_SPIKES if i in self._recomputable else EXPECTED_PARAMETER_GRADIENTS
-            limits[name] = overflow_max_log2_scale(expected * 2.0 ** (self._expected_margin() + alpha), s.lambda_max)
+            kind = Limit.RECOMPUTED_SPIKES if i in self._recomputable else Limit.EXPECTED_PARAMETER_GRADIENTS
+            limits[Bound(kind)] = overflow_max_log2_scale(expected * 2.0 ** (self._expected_margin() + alpha), s.lambda_max)
         if i in self._fed_maxima:
-            limits[FED_PARAMETER_GRADIENTS] = overflow_max_log2_scale(self._fed_maxima[i] * 2.0 ** (self._expected_margin() + alpha), s.lambda_max)
+            limits[Bound(Limit.FED_PARAMETER_GRADIENTS)] = overflow_max_log2_scale(self._fed_maxima[i] * 2.0 ** (self._expected_margin() + alpha), s.lambda_max)
         wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
-        if limits.get(WEIGHT_GRADIENT, math.inf) < wanted and min(limits.values()) == limits[WEIGHT_GRADIENT]:
-            limits[WEIGHT_GRADIENT] = max(limits[WEIGHT_GRADIENT], self._measured_weight_limit(i, grad))
-        beta, limited_by = self._choose(i, alpha, lower, limits)
+        weight = Bound(Limit.WEIGHT_GRADIENT)
+        if limits.get(weight, math.inf) < wanted and min(limits.values()) == limits[weight]:
+            limits[weight] = max(limits[weight], self._measured_weight_limit(i, grad))
+        beta, limit = self._choose(i, alpha, lower, limits)
         measured = [v.underflow_rate(beta, s.lambda_min) for v in samples]
         rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
         self.layers.append(
-            LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate, max(measured) if measured else None, limited_by)
+            LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate, max(measured) if measured else None, *limit)
         )
         return beta
 
@@ -796,9 +793,9 @@ class UpdateRun:
             return self._non_finite(i, "cast", alpha)
         log_std = math.sqrt(max(log_variance, 0.0))
         lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
-        beta, limited_by = self._choose(i, alpha, lower, {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)})
+        beta, limit = self._choose(i, alpha, lower, {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)})
         rate = cast_underflow_rate(beta, log_mean, log_std, s.lambda_min)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate, None, limited_by))
+        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate, None, *limit))
         return beta
 
     def _fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int, grads: list[torch.Tensor]) -> int:
@@ -869,11 +866,11 @@ class UpdateRun:
         if not all(map(math.isfinite, (grad_max, *sample_max))):
             return self._non_finite(i, kind, alpha)
         lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(exact, orders))
-        limits = {"incoming gradient": overflow_max_log2_scale(grad_max, s.lambda_max)}
+        limits = {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)}
         gain = max((self._gain_into(edge) for edge in self.graph.edges[i]), default=1.0)  # whichever edge a sample left by
         for k, m in enumerate(sample_max):
-            limits[f"output {k}" if len(sample_max) > 1 else "output"] = overflow_max_log2_scale(m * gain, s.lambda_max)
-        beta, limited_by = self._choose(i, alpha, lower, limits)
+            limits[Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None)] = overflow_max_log2_scale(m * gain, s.lambda_max)
+        beta, limit = self._choose(i, alpha, lower, limits)
         rate = max(v.underflow_rate(beta, s.lambda_min) for v in exact)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate, rate, limited_by))
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate, rate, *limit))
         return beta

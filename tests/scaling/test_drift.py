@@ -20,7 +20,8 @@ from gs_lightning import GradientScaler
 from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, within_margin
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling import update
-from gs_lightning.scaling.update import RECOMPUTED_SPIKES, SPIKE_ROOM, expected_total
+from gs_lightning.scaling.limits import Limit
+from gs_lightning.scaling.update import expected_total
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
@@ -94,7 +95,7 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
     assert _below(captured[0]) <= 2 * TARGET
     assert head.measured_underflow <= 2 * TARGET
     # Its estimate still misses γ' (no power of two fits both ∇X and ∇W): layers() says why.
-    assert head.underflow_rate > TARGET and head.limited_by == "overflow of the weight gradient"
+    assert head.underflow_rate > TARGET and head.limit is Limit.WEIGHT_GRADIENT and head.limited_by == "overflow of the weight gradient"
     for name, parameter in model.named_parameters():
         assert torch.isfinite(parameter.grad).all(), name
 
@@ -162,7 +163,7 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
     scaler, measured = _train_measuring(model, 1e-3, 4, loss_at, threshold=LAMBDA_LOST)
     assert measured[0] == 1.0  # B = 0 sent zeros
     assert max(measured[1:]) <= 2 * TARGET, [f"{m:.1e}" for m in measured]
-    assert {layer.name: layer.limited_by for layer in scaler.layers()}["b"] == SPIKE_ROOM
+    assert {layer.name: layer.limit for layer in scaler.layers()}["b"] is Limit.SPIKE_ROOM
 
 
 def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> None:
@@ -176,14 +177,14 @@ def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> Non
     assert before["b"] > before["a"]  # a back-off of every layer's scale would lower b's
     assert not _step(scaler, optimizer, loss(1e8))  # head a's gradients overflow fp16
     # The trunk's are non-finite only because head a's ∇X was: not remembered as a spike of its own.
-    remembered = {leaf for leaf, _ in scaler.state_dict()["drift"]["recent"][-1]} & scaler.drift.non_finite
+    remembered = {leaf for leaf, _ in scaler.state_dict()["graphs"][-1]["drift"]["recent"][-1]} & scaler.drift.non_finite
     assert len(scaler.drift.non_finite) == 4 and len(remembered) == 2  # head a's weight and bias
     assert _step(scaler, optimizer, loss(1.0))  # the next update
     after = {layer.name: layer for layer in scaler.layers()}
     assert after["b"].log2_total == before["b"] and after["b.cast"].log2_total == before["b.cast"]
     # lowered by its back-off, or by the spike of its weight gradient the overflow left in the record
     assert after["a"].log2_total < before["a"]
-    assert after["a"].limited_by == "back-off of this layer" or after["a"].limited_by.startswith("overflow of the parameter gradients of recent batches")
+    assert after["a"].limit is Limit.BACKOFF or after["a"].limit.expected
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -235,7 +236,7 @@ def test_a_resumed_scaler_continues_as_the_uninterrupted_one() -> None:
             _step(scaler, optimizer, loss(blow_up, factor))
         assert resumed.state_dict() == uninterrupted.state_dict()
         assert resumed.drift == uninterrupted.drift
-    assert uninterrupted.state_dict()["drift"]["reference"] and uninterrupted.state_dict()["layer_backoff"]
+    assert uninterrupted.state_dict()["graphs"][-1]["drift"]["reference"] and uninterrupted.state_dict()["graphs"][-1]["layer_backoff"]
 
 
 def _reader(drift: GradientDrift, alpha: int) -> Callable[..., DriftReading]:
@@ -364,13 +365,13 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches(monke
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model)
     assert _hard_batches(scaler, model) == [] and scaler.recomputed_steps == 5
-    assert any(layer.limited_by == f"overflow of the {RECOMPUTED_SPIKES}" for layer in scaler.layers())
+    assert any(layer.limit is Limit.RECOMPUTED_SPIKES for layer in scaler.layers())
     _without_recomputation(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model)
     assert _hard_batches(scaler, model) == [6, 13] and scaler.recomputed_steps == 0
-    assert any(layer.limited_by.startswith("overflow of the parameter gradients of recent batches") for layer in scaler.layers())
+    assert any(layer.limit.expected for layer in scaler.layers())
 
 
 def test_a_batch_above_what_the_update_expected_asks_for_the_next_update(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,14 +405,14 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update(mo
         return scaler
 
     scaler = run()
-    plan, analysis = scaler._plans[()], scaler._analyses[()]
+    plan, analysis = scaler.graphs[-1].plans[()], scaler.graphs[-1].analyses[()]
     highest = functools.partial(expected_total, lambda_max=scaler.format.max, margin_log2=scaler.recipe.expected_maxima_margin_log2)
     leaf = next(iter(analysis.leaf_sources))
-    expected = scaler._drift.expected[leaf]
+    expected = scaler.graphs[-1].drift.expected[leaf]
     assert within_margin(analysis, plan, {leaf: expected}, highest)
     assert not within_margin(analysis, plan, {leaf: expected * 2.0**12}, highest)
     assert not within_margin(analysis, plan, {-1: expected}, highest)
-    monkeypatch.setattr(GradientScaler, "_surprise_within_margin", lambda self: False)  # an update for every rise, as before
+    monkeypatch.setattr(GradientScaler, "_surprise_within_margin", lambda self, graph: False)  # an update for every rise, as before
     assert run().update_iterations > scaler.update_iterations
 
 
@@ -435,7 +436,7 @@ def test_spike_room_is_kept_where_only_precision_is_lost(monkeypatch: pytest.Mon
     scaler = GradientScaler(model)
     assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples) == [6]  # nothing expected the first
     first = scaler.layers()[-1]
-    assert first.limited_by == SPIKE_ROOM
+    assert first.limit is Limit.SPIKE_ROOM
     lost = scaler.lambda_lost_value * 2.0**-first.log2_total
     weight_grad = model[0].weight.grad[model[0].weight.grad != 0].abs()
     assert (weight_grad < lost).float().mean() <= 1e-3
@@ -444,7 +445,7 @@ def test_spike_room_is_kept_where_only_precision_is_lost(monkeypatch: pytest.Mon
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model, lambda_min="subnormal")
     _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples)
-    assert SPIKE_ROOM not in {layer.limited_by for layer in scaler.layers()}
+    assert Limit.SPIKE_ROOM not in {layer.limit for layer in scaler.layers()}
 
 
 def test_a_cast_sends_no_more_scale_than_the_layer_it_feeds_keeps() -> None:
@@ -477,7 +478,7 @@ def test_a_cast_sends_no_more_scale_than_the_layer_it_feeds_keeps() -> None:
     layers = {layer.name: layer for layer in scaler.layers()}
     assert skipped == []
     assert layers["2.cast"].log2_total <= layers["2"].log2_total
-    assert layers["2.cast"].limited_by == "scale the layers it feeds keep"
+    assert layers["2.cast"].limit is Limit.KEPT_DOWNSTREAM
 
 
 def test_a_saturating_format_keeps_no_headroom_for_spikes() -> None:
@@ -487,7 +488,7 @@ def test_a_saturating_format_keeps_no_headroom_for_spikes() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model, dtype=torch.float8_e4m3fn)
     _hard_batches(scaler, model)
-    assert all("recent batches" not in layer.limited_by for layer in scaler.layers())
+    assert not any(layer.limit.expected for layer in scaler.layers())
 
 
 def test_per_layer_caps_relax_by_iterations_not_by_updates() -> None:

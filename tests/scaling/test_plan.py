@@ -47,8 +47,8 @@ def test_replay_adds_no_hook_for_deferred_leaves_and_stays_exact() -> None:
     loss = _loss(model)
     graph = walk(loss.grad_fn)
     analysis = analyze(graph, {})
-    per_edge = scaler._plans[()].replay(graph, LeafTargets())
-    fused = scaler._plans[()].replay(graph, LeafTargets(deferred=frozenset(analysis.leaf_sources)))
+    per_edge = scaler.graphs[-1].plans[()].replay(graph, LeafTargets())
+    fused = scaler.graphs[-1].plans[()].replay(graph, LeafTargets(deferred=frozenset(analysis.leaf_sources)))
     assert len(fused) < len(per_edge)
     for handle in per_edge + fused:
         handle.remove()
@@ -65,7 +65,7 @@ def test_plan_state_is_plain_containers_that_load_with_weights_only() -> None:
     torch.save(scaler.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    (path, plan_state), = state["plans"]
+    ((path, plan_state),) = state["graphs"][0]["plans"]
     plan = ScalePlan.from_state_dict(plan_state)
-    assert path == [] and plan.alpha_out == scaler._plans[()].alpha_out and plan.slot_alpha == scaler._plans[()].slot_alpha
+    assert path == [] and plan.alpha_out == scaler.graphs[-1].plans[()].alpha_out and plan.slot_alpha == scaler.graphs[-1].plans[()].slot_alpha
     assert plan.matches(walk(_loss(model).grad_fn))

@@ -153,8 +153,8 @@ def test_layers_whose_operands_checkpointing_recomputes_keep_clear_of_the_spikes
     scaler = GradientScaler(model)
     x = torch.randn(64, 16)
     assert all(_step(scaler, model, optimizer, x) for _ in range(2))
-    analysis = scaler._analyses[()]
-    assert {analysis.layer_names[i] for i in scaler._plans[()].recomputable} == {"last"}
+    analysis = scaler.graphs[-1].analyses[()]
+    assert {analysis.layer_names[i] for i in scaler.graphs[-1].plans[()].recomputable} == {"last"}
 
 
 def test_an_amp_loop_clips_the_recomputed_gradients() -> None:

@@ -251,16 +251,16 @@ def test_state_dict_round_trip_reuses_scales(case: str) -> None:
         restored = GradientScaler(model, update_interval=10)
         restored.load_state_dict(state)
         assert restored.scales() == scaler.scales() and restored.iteration == restored.update_iterations == 1  # inner graphs' runs are part of it
-        assert {path: plan.alpha_out for path, plan in restored._plans.items()} == {p: q.alpha_out for p, q in scaler._plans.items()}
+        assert {path: plan.alpha_out for path, plan in restored.graphs[-1].plans.items()} == {p: q.alpha_out for p, q in scaler.graphs[-1].plans.items()}
         model.zero_grad()
         scaler.backward(loss_fn(model) * 1e-6)
         expected = _grads(model)
         model.zero_grad()
         restored.backward(loss_fn(model) * 1e-6)  # a replay: no new decision
     assert all(torch.equal(expected[n], g) for n, g in _grads(model).items())
-    assert restored.layers() == scaler.layers() and restored._plans.keys() == scaler._plans.keys()
+    assert restored.layers() == scaler.layers() and restored.graphs[-1].plans.keys() == scaler.graphs[-1].plans.keys()
     assert restored.update_iterations == scaler.update_iterations == 1
-    assert case != "checkpoint_reentrant" or len(restored._plans) > 1
+    assert case != "checkpoint_reentrant" or len(restored.graphs[-1].plans) > 1
 
 
 def test_update_iterations_count_the_backwards_that_decided_scales() -> None:

@@ -1,0 +1,146 @@
+"""What the scaler keeps per backward graph structure: its plans, its schedule, its drift and back-off.
+
+A training loop may run more than one graph: two models or two losses with their own optimizers,
+a gradient penalty (``autograd.grad`` with ``create_graph=True``, then the loss's backward through
+it), a GAN's generator and discriminator. Each structure keeps its own scales, its own update
+schedule and its own statistics, so that graphs which alternate each replay their own plan
+(one plan for all made every backward an update iteration: 60 of 60 in the AMP recipe's
+multi-model and gradient-penalty loops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
+from gs_lightning.scaling.plan import ScalePlan
+from gs_lightning.scaling.update import LayerScale
+
+Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
+
+# Structures kept at once: a model whose graph changes with its input (dynamic control flow) would
+# otherwise keep one plan per variant it ever ran. The least recently run goes first.
+MAX_GRAPHS = 8
+
+
+class GraphScales:
+    """The scaling state of one backward graph structure (node types and wiring).
+
+    Attributes:
+        names: The structure's node types, as :class:`~gs_lightning.scaling.graph.AutogradGraph` has them.
+        edges: Its wiring.
+        plans: The last update's plan of the graph (path ``()``) and of each reentrant checkpoint's inner graph.
+        analyses: Their node classifications (rebuilt after a restore or :meth:`GradientScaler.attach`).
+        drift: Its weight gradients' largest values, between updates and at them.
+        layer_backoff: Caps on its nodes that overflowed.
+        layers: What its last update chose, layer by layer, in backward order.
+        first_non_finite: The first layer, in backward order, whose gradient was non-finite on its last update.
+        backwards: Backwards of this structure run so far: its update schedule counts these.
+        last_skip: :attr:`backwards` at the last skipped step it took part in.
+        force_update: Whether its next backward decides the scales again (a skipped step, the drift).
+    """
+
+    def __init__(self, names: tuple[str, ...], edges: tuple, drift: GradientDrift) -> None:
+        self.names = names
+        self.edges = edges
+        self.plans: dict[Path, ScalePlan] = {}
+        self.analyses: dict[Path, GraphAnalysis] = {}
+        self.drift = drift
+        self.layer_backoff = LayerBackoff()
+        self.layers: dict[str, LayerScale] = {}
+        self.first_non_finite: str | None = None
+        self.backwards = 0
+        self.last_skip = 0
+        self.force_update = False
+
+    def matches(self, graph: AutogradGraph) -> bool:
+        """Whether ``graph`` has this structure."""
+        return graph.same_structure(self.names, self.edges)
+
+    def updates_next(self, interval: int) -> bool:
+        """Whether its next backward is an update iteration: asked for, due (every ``interval``-th), or never decided."""
+        return self.force_update or self.backwards % interval == 0 or () not in self.plans
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain containers only (checkpoints are loaded with ``weights_only=True``)."""
+        return {
+            "names": list(self.names),
+            "edges": [[list(e) if e is not None else None for e in edges] for edges in self.edges],
+            "plans": [[list(path), plan.state_dict()] for path, plan in self.plans.items()],
+            "drift": self.drift.state_dict(),
+            "layer_backoff": self.layer_backoff.state_dict(),
+            "layers": [layer.state_dict() for layer in self.layers.values()],
+            "first_non_finite": self.first_non_finite,
+            "backwards": self.backwards,
+            "last_skip": self.last_skip,
+            "force_update": self.force_update,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], drift: GradientDrift) -> GraphScales:
+        """Rebuild what :meth:`state_dict` saved; ``drift``: a fresh monitor with the scaler's settings."""
+        edges = tuple(tuple(tuple(e) if e is not None else None for e in node) for node in state["edges"])
+        graph = cls(tuple(state["names"]), edges, drift)
+        graph.plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in state["plans"]}
+        graph.drift.load_state_dict(state.get("drift", {}))
+        graph.layer_backoff.load_state_dict(state.get("layer_backoff", []))
+        graph.layers = {layer["name"]: LayerScale.from_state_dict(layer) for layer in state.get("layers", [])}
+        graph.first_non_finite = state.get("first_non_finite")
+        graph.backwards = int(state.get("backwards", 0))
+        graph.last_skip = int(state.get("last_skip", 0))
+        graph.force_update = bool(state.get("force_update", False))
+        return graph
+
+    # Pickled (copy.deepcopy) as its state: the analyses hold autograd nodes, the plans cached hooks.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"state": self.state_dict(), "drift": self.drift}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        drift = pickled["drift"]
+        self.__dict__.update(GraphScales.from_state_dict(pickled["state"], drift).__dict__)
+
+
+class GraphRegistry:
+    """The :class:`GraphScales` of each structure the scaler ran, least recently run first (at most :data:`MAX_GRAPHS`)."""
+
+    def __init__(self) -> None:
+        self._graphs: list[GraphScales] = []
+
+    def __iter__(self) -> Iterator[GraphScales]:
+        return iter(self._graphs)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    @property
+    def current(self) -> GraphScales | None:
+        """The structure that ran last (``None`` before the first backward)."""
+        return self._graphs[-1] if self._graphs else None
+
+    def of(self, graph: AutogradGraph, new_drift: GradientDrift, keep_others: bool = True) -> GraphScales:
+        """``graph``'s structure's state, made the current one; a new one (with ``new_drift``) if it never ran.
+
+        ``keep_others=False``: a new structure replaces every other (compiled modules replay one plan).
+        """
+        for k in range(len(self._graphs) - 1, -1, -1):  # the current one first: usually it
+            if self._graphs[k].matches(graph):
+                found = self._graphs.pop(k)
+                self._graphs.append(found)
+                return found
+        found = GraphScales(tuple(graph.names), tuple(graph.edges), new_drift)
+        self._graphs = [*self._graphs, found][-MAX_GRAPHS:] if keep_others else [found]
+        return found
+
+    def clear_analyses(self) -> None:
+        """Forget every analysis (layer names are decided with them: a model was attached)."""
+        for graph in self._graphs:
+            graph.analyses.clear()
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [graph.state_dict() for graph in self._graphs]
+
+    def load_state_dict(self, state: list[dict[str, Any]], new_drift: Any) -> None:
+        """Restore :meth:`state_dict`; ``new_drift()`` makes each structure's monitor."""
+        self._graphs = [GraphScales.from_state_dict(graph, new_drift()) for graph in state]

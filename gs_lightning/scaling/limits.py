@@ -1,0 +1,88 @@
+"""What held a scale below the smallest one that meets γ': the reasons an update records per layer.
+
+The rules compare these members, never their text; the text is what :attr:`LayerScale.limited_by
+<gs_lightning.scaling.update.LayerScale.limited_by>` shows.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+from gs_lightning.scaling.graph import BIAS_GRADIENT, WEIGHT_GRADIENT
+
+_RECENT = "parameter gradients of recent batches"
+
+
+class Limit(Enum):
+    """A reason a scale stayed below the underflow bound (``NONE``: it did not).
+
+    The first nine are overflow bounds, each named after the tensor whose overflow it avoids
+    (:class:`Bound`); the rest are rules and caps.
+    """
+
+    NONE = ""
+    INCOMING_GRADIENT = "incoming gradient"
+    INPUT_GRADIENT = "gradient of input"  # what a GEMM sends on, bounded from its operands
+    WEIGHT_GRADIENT = WEIGHT_GRADIENT
+    BIAS_GRADIENT = BIAS_GRADIENT
+    OUTPUT = "output"  # a sampled node's exact outputs
+    # The values a GEMM's weight and bias gradients reached on recent batches (ScalingRecipe.expected_maxima_margin_log2).
+    EXPECTED_PARAMETER_GRADIENTS = _RECENT
+    # Their level and a share of their spikes, the replays recomputing the rest (ScalingRecipe.recomputed_spike_share).
+    RECOMPUTED_SPIKES = f"{_RECENT}, a share of their spikes (the rest recomputed)"
+    # Those of the normalisation a recomputable GEMM feeds, which are not recomputed.
+    FED_PARAMETER_GRADIENTS = f"{_RECENT} of the layers it feeds"
+    # Expected maxima with ScalingRecipe.spike_room_log2 more room, where the outputs still meet γ' against λ_lost.
+    SPIKE_ROOM = f"overflow of the {_RECENT}, with room where only precision is lost"
+    KEPT_DOWNSTREAM = "scale the layers it feeds keep"  # the GEMMs it feeds are capped lower (update.kept_downstream)
+    LAYER_CAP = "max_layer_scale"
+    TOTAL_CAP = "accumulated-scale cap"  # max_total_scale, or the back-off after an overflow no layer was named for
+    BACKOFF = "back-off of this layer"  # its gradients overflowed (ScalingRecipe.backoff_bits)
+
+    @property
+    def is_overflow_bound(self) -> bool:
+        """Whether it bounds the overflow of a tensor (and is shown as ``"overflow of the <tensor>"``)."""
+        return self in _OVERFLOW_BOUNDS
+
+    @property
+    def exact(self) -> bool:
+        """Whether the bound is exact on the update iteration (it keeps ScalingRecipe.replay_headroom_log2);
+        the others bound loosely, or keep a margin of their own."""
+        return self in _EXACT
+
+    @property
+    def expected(self) -> bool:
+        """Whether it comes from the parameter gradients of recent batches (spike room included)."""
+        return self in _EXPECTED
+
+
+_OVERFLOW_BOUNDS = frozenset(list(Limit)[1:10])
+_EXACT = frozenset({Limit.INCOMING_GRADIENT, Limit.BIAS_GRADIENT, Limit.OUTPUT})
+_EXPECTED = frozenset({Limit.EXPECTED_PARAMETER_GRADIENTS, Limit.RECOMPUTED_SPIKES, Limit.FED_PARAMETER_GRADIENTS, Limit.SPIKE_ROOM})
+
+
+class Bound(NamedTuple):
+    """One overflow bound of a decision: its kind, and which input or output where a node has several."""
+
+    limit: Limit
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.limit.value if self.index is None else f"{self.limit.value} {self.index}"
+
+
+def describe(limit: Limit, index: int | None = None) -> str:
+    """The text of a reason, as :attr:`LayerScale.limited_by` shows it: ``"overflow of the gradient of input 1"``, ``"max_layer_scale"``."""
+    return f"overflow of the {Bound(limit, index)}" if limit.is_overflow_bound else limit.value
+
+
+def parse(text: str) -> tuple[Limit, int | None]:
+    """The reason :func:`describe` wrote as ``text`` (reading a checkpoint saved with the text only)."""
+    for limit in Limit:
+        if describe(limit) == text:
+            return limit, None
+        head, _, tail = text.rpartition(" ")
+        if tail.isdigit() and describe(limit) == head:
+            return limit, int(tail)
+    raise ValueError(f"unknown scale limit {text!r}; expected one of {[describe(limit) for limit in Limit]}")

@@ -29,7 +29,7 @@ from gs_lightning.fabric.methods import (
     Scaler,
 )
 from gs_lightning.fabric.packages import FABRIC_PRECISIONS
-from gs_lightning.scaling.scaler import is_fsdp1_unit
+from gs_lightning.scaling.attached import is_fsdp1_unit
 
 # Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
 _FABRIC_FSDP_PRECISIONS: tuple[type, ...] = tuple(import_module(cls.__module__.rpartition(".")[0]).FSDPPrecision for cls in FABRIC_PRECISIONS)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from gs_lightning.scaling.attached import AttachedModels
 from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModule, CompiledReplay, EagerPlan, compiled_modules, replay_hooks
 from gs_lightning.scaling.drift import (
@@ -62,7 +63,6 @@ from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun, expected_total
 
-_UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
@@ -154,11 +154,7 @@ class GradientScaler:
         self.format = float_format(dtype)
         self.max_consecutive_skips = max_consecutive_skips
         self.enabled = enabled
-        self._models: list[nn.Module] = []
-        self._sharded = False  # an attached model holds FSDP1 units: each rank's .grad is its own shard
-        self._module_names: dict[int, str] = {}
-        self._parameter_names: dict[int, str] = {}
-        self._buffer_copy: list[torch.Tensor] = []
+        self._attached = AttachedModels()
 
         self._iteration = 0
         self._skipped_steps = 0
@@ -245,6 +241,11 @@ class GradientScaler:
         own optimizers, a gradient penalty, a GAN), which replay their own plans."""
         return tuple(self._graphs)
 
+    @property
+    def models(self) -> tuple[nn.Module, ...]:
+        """The attached models (none after unpickling until :meth:`attach`)."""
+        return tuple(self._attached.models)
+
     def attach(self, model: nn.Module) -> None:
         """Name layers after ``model``'s modules and restore its buffers on a skipped step.
 
@@ -252,14 +253,9 @@ class GradientScaler:
         scaler (a GAN's generator and discriminator), and the model again after unpickling a scaler,
         whose pickled state holds no model.
         """
-        if any(m is model for m in self._models):
+        if not self._attached.attach(model):
             return
-        self._models.append(model)
-        self._sharded = self._sharded or _holds_fsdp1(model)
-        self._module_names = {**_module_names(model), **self._module_names}
-        self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
         self._graphs.clear_analyses()  # layer names are decided with the analysis
-        self._buffer_copy = [b.detach().clone() for b in self._buffers()]
         instrumented = {id(m) for m in self._compiled}
         self._compiled += [m for m in compiled_modules(model, self) if id(m) not in instrumented]
 
@@ -286,8 +282,7 @@ class GradientScaler:
         self._begin_iteration()
         if not self.enabled:
             return outputs
-        for model in self._models:
-            _refuse_fp16_communication(model)
+        self._attached.refuse_fp16_communication()
         joined, root = join_outputs(tensors)
         if root is None:
             return outputs
@@ -358,7 +353,7 @@ class GradientScaler:
         optimizer.step(*args, **kwargs)
         if not self._skipped_this_iteration:
             self._consecutive_skips = 0
-            self._save_buffers()
+            self._attached.save_buffers()
         return True
 
     def _check(self, grads: list[torch.Tensor]) -> bool:
@@ -380,7 +375,7 @@ class GradientScaler:
         index = {id(t): k for k, t in enumerate(dense)}
         maxima = [values[index[id(t)]] for t in local if id(t) in index]
         non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
-        if self._sharded or any(g is not t for g, t in zip(grads, local)):
+        if self._attached.sharded or any(g is not t for g, t in zip(grads, local)):
             non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)  # every rank joins, gradients or not
         if not unread:
             return non_finite
@@ -524,7 +519,7 @@ class GradientScaler:
         self._graphs.load_state_dict(state["graphs"] if "graphs" in state else _one_graph_state(state), self._new_drift)
 
     # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
-    _UNPICKLED = ("_models", "_module_names", "_parameter_names", "_buffer_copy", "_prepared", "_ran", "_unread", "_recompute_graph",
+    _UNPICKLED = ("_attached", "_prepared", "_ran", "_unread", "_recompute_graph",
                   "_written", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan", "_recompute")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -533,7 +528,7 @@ class GradientScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._models, self._module_names, self._parameter_names, self._buffer_copy = [], {}, {}, []
+        self._attached = AttachedModels()
         self._prepared, self._ran, self._unread, self._recompute_graph = None, [], [], None
         self._written = {}
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
@@ -582,7 +577,7 @@ class GradientScaler:
             if self._graphs.current is not None:
                 self._graphs.current.force_update = True
             return None
-        analysis = eager.analysis_of(graph, self._module_names)
+        analysis = eager.analysis_of(graph, self._attached.module_names)
         replay = replay_hooks(graph, analysis, eager, ran, self._deferred_leaves(graph, analysis, frozenset(), set()))
         if replay is None:  # the region carried this plan's scales: a plain backward would leave scaled gradients
             raise RuntimeError(
@@ -632,8 +627,8 @@ class GradientScaler:
         known = plan is not None and plan.matches(graph)
         exit_leaves = frozenset(j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits)
         if analysis is None or not known:
-            analysis = scales.analyses[path] = analyze(graph, self._module_names, exit_leaves)
-            self._check_parameters(graph, exit_leaves)
+            analysis = scales.analyses[path] = analyze(graph, self._attached.module_names, exit_leaves)
+            self._attached.check_parameters(graph, exit_leaves)
             self._warn_unhandled(graph, analysis)
         excluded = parent.leaf_ids() if parent is not None else set()
         leaves = LeafTargets(self._deferred_leaves(graph, analysis, exit_leaves, excluded), exit_leaves, root_alpha)
@@ -818,7 +813,13 @@ class GradientScaler:
             largest = max((a for scales in ran for plan in scales.plans.values() for a in plan.alpha_out.values()), default=0)
             cap = largest - 1 if self._backoff is None else min(self._backoff, largest) - 1
             self._backoff = max(cap, self.recipe.min_backoff_log2)
-        self._restore_buffers()
+        non_finite = self._attached.restore_buffers()
+        if non_finite:
+            self._warn_once(
+                "buffers",
+                f"GradientScaler: a skipped step's forward had left {non_finite} non-finite buffer(s) (e.g. BatchNorm "
+                "running statistics); all buffers were restored to their values before that iteration.",
+            )
         if self.max_consecutive_skips is not None and self._consecutive_skips > self.max_consecutive_skips:
             first = next((scales.first_non_finite for scales in ran if scales.first_non_finite), None)
             where = f"layer {first!r}" if first else "the loss (no layer had a non-finite gradient)"
@@ -828,47 +829,6 @@ class GradientScaler:
                 f"backward order on the last update iteration was at {where}. The run has diverged or its forward "
                 "produces inf/NaN: lower the learning rate or check the inputs."
             )
-
-    def _buffers(self) -> list[torch.Tensor]:
-        """The attached models' buffers, each once (models may share modules)."""
-        return list({id(b): b for model in self._models for b in model.buffers()}.values())
-
-    def _save_buffers(self) -> None:
-        buffers = self._buffers()
-        if not buffers:
-            return
-        if _same_layout(buffers, self._buffer_copy):
-            torch._foreach_copy_(self._buffer_copy, buffers)
-        else:  # moved to another device, or buffers added
-            self._buffer_copy = [b.detach().clone() for b in buffers]
-
-    def _restore_buffers(self) -> None:
-        buffers = self._buffers()
-        if not buffers or len(buffers) != len(self._buffer_copy):
-            return
-        non_finite = sum(not bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point())
-        with torch.no_grad():
-            for buffer, saved in zip(buffers, self._buffer_copy):
-                buffer.copy_(saved)
-        if non_finite:
-            self._warn_once(
-                "buffers",
-                f"GradientScaler: a skipped step's forward had left {non_finite} non-finite buffer(s) (e.g. BatchNorm "
-                "running statistics); all buffers were restored to their values before that iteration.",
-            )
-
-    # --- analysis checks ---------------------------------------------------------------------
-
-    def _check_parameters(self, graph: AutogradGraph, exits: frozenset[int]) -> None:
-        for j, name in enumerate(graph.names):
-            variable = graph.nodes[j].variable if name == LEAF and j not in exits else None
-            if variable is not None and variable.dtype in _UNSCALABLE_PARAMETER_DTYPES:
-                name = self._parameter_names.get(id(variable), f"of shape {tuple(variable.shape)}")
-                raise ValueError(
-                    f"GradientScaler: parameter {name} is {variable.dtype}; its gradient cannot be unscaled in "
-                    f"{variable.dtype} without underflow. Keep parameters in float32 and run the forward under "
-                    "torch.autocast instead of model.half() (torch.amp.GradScaler refuses fp16 gradients too)."
-                )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -912,32 +872,6 @@ def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, i: int, k:
     return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])
 
 
-def _refuse_fp16_communication(model: nn.Module) -> None:
-    """DDP with an fp16 compression hook all-reduces the true gradients in fp16, where what this scaler
-    unscaled below fp16's range flushes to zero (at a median of 4e-9 every value was lost)."""
-    for hook, _ in getattr(model, "_comm_hooks", ()):
-        name = getattr(hook, "__qualname__", "")
-        if "fp16_compress" in name:
-            raise ValueError(
-                f"GradientScaler: DDP's communication hook {name} all-reduces gradients in fp16, and they arrive "
-                "there unscaled (true values), so those below fp16's range (6e-8) become 0. Register "
-                "bf16_compress_hook (bf16 has fp32's range) or no compression hook."
-            )
-
-
-def is_fsdp1_unit(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``FullyShardedDataParallel`` unit (FSDP1: plain tensors, each rank's shard)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FullyShardedDataParallel  # imports torch.distributed's FSDP machinery: only here
-
-    return isinstance(module, FullyShardedDataParallel)
-
-
-def _holds_fsdp1(model: nn.Module) -> bool:
-    return any(is_fsdp1_unit(m) for m in model.modules())
-
-
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """A DTensor gradient's shard on this rank; any other gradient as it is."""
     to_local = getattr(grad, "to_local", None)
@@ -969,15 +903,6 @@ def _unflatten(outputs: Outputs, tensors: Iterator[torch.Tensor]) -> Outputs:
     return type(outputs)(_unflatten(item, tensors) for item in outputs)
 
 
-def _module_names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for module_name, module in model.named_modules():
-        name = ".".join(part for part in module_name.split(".") if part != "_orig_mod")  # as the model had before torch.compile
-        for param in module.parameters(recurse=False):
-            names.setdefault(id(param), name or type(module).__name__)
-    return names
-
-
 def _one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
     """A state saved before the scaler kept one state per graph structure, as :meth:`GraphRegistry.state_dict` has it."""
     plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
@@ -993,9 +918,3 @@ def _one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _log2_floor(value: float | None) -> int | None:
     return None if value is None else math.floor(math.log2(value))
-
-
-def _same_layout(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> bool:
-    return len(tensors) == len(copies) and all(
-        t.shape == c.shape and t.dtype == c.dtype and t.device == c.device for t, c in zip(tensors, copies)
-    )

@@ -216,7 +216,7 @@ def test_pickles_and_copies_at_any_iteration_without_the_model(dump) -> None:
     for iteration in range(4):  # update, replay, update, replay
         scaler.scale(fp16_loss(model, seed=iteration)).backward()
         copied = pickle.loads(dump(scaler)) if dump is pickle.dumps else dump(scaler)
-        assert copied._models == [] and copied.iteration == scaler.iteration
+        assert copied.models == () and copied.iteration == scaler.iteration
         assert copied.state_dict() == scaler.state_dict()
         scaler.step(opt)
         scaler.update()

@@ -89,7 +89,7 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
     leaves = LeafTargets(deferred=frozenset(analysis.leaf_sources))
 
     def register() -> tuple[list, list]:  # the plan's factors, and what keeps operands for recomputing weight gradients
-        return plan.replay(graph, leaves), scaler._recompute.register(graph, analysis, plan, leaves.deferred)
+        return plan.replay(graph, leaves), scaler._read.recompute.register(graph, analysis, plan, leaves.deferred)
 
     def register_and_remove() -> None:
         for handle in [h for handles in register() for h in handles]:
@@ -98,7 +98,7 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
     factors, keepers = register()
     for handle in factors + keepers:
         handle.remove()
-    scaler._recompute.clear()
+    scaler._read.recompute.clear()
     return {
         "graph nodes": len(graph.nodes),
         "hooks": len(factors) + len(keepers),

@@ -48,12 +48,9 @@ from gs_lightning.scaling.drift import (
     DriftReading,
     GradientDrift,
     overflow_caps,
-    largest_magnitudes,
     overflow_leaves,
-    within_margin,
     unscale_and_measure,
 )
-from gs_lightning.scaling.finite import unscale_and_check_
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
@@ -61,7 +58,8 @@ from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
-from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun, expected_total
+from gs_lightning.scaling.step_read import StepRead
+from gs_lightning.scaling.update import MAX_LOG2_TOTAL, LayerScale, Settings, UpdateRun
 
 
 
@@ -161,11 +159,8 @@ class GradientScaler:
         self._consecutive_skips = 0
         self._graphs = GraphRegistry()  # plans, schedule, drift and back-off of each graph structure run
         self._ran: list[GraphScales] = []  # the structures whose backward ran since the last update()
-        self._unread: list[GraphScales] = []  # those whose queued weight-gradient maxima the step has not read yet
         self._backoff: int | None = None
-        self._recompute = WeightGradRecompute(self.format.max)  # what the replay keeps to recompute weight gradients that overflow
-        self._recompute_graph: GraphScales | None = None  # the structure whose replay kept them
-        self._recomputed_steps = 0
+        self._read = self._new_read()
         self._update_iterations = 0
         self._prepared: _PreparedBackward | None = None
         self._written: dict[int, torch.Tensor] = {}  # leaves the backwards since the last step reached
@@ -177,6 +172,10 @@ class GradientScaler:
         self._compiled_plan: EagerPlan | None = None  # the last eager update, as their compiled replays read it
         if model is not None:
             self.attach(model)
+
+    def _new_read(self) -> StepRead:
+        # Keeps what the replay needs to recompute weight gradients that overflow.
+        return StepRead(WeightGradRecompute(self.format.max), self.format.max, self.recipe.expected_maxima_margin_log2)
 
     def _new_drift(self) -> GradientDrift:
         recipe = self.recipe
@@ -213,7 +212,7 @@ class GradientScaler:
     @property
     def recomputed_steps(self) -> int:
         """Steps taken although a weight gradient overflowed: it was recomputed in fp32 (:mod:`~gs_lightning.scaling.recompute`)."""
-        return self._recomputed_steps
+        return self._read.recomputed_steps
 
     @property
     def update_iterations(self) -> int:
@@ -303,7 +302,7 @@ class GradientScaler:
 
         Reads every such ``.grad`` and synchronises once (twice after a recompute).
         """
-        return self._check([v.grad for v in self._written.values() if v.grad is not None])
+        return self._read.non_finite([v.grad for v in self._written.values() if v.grad is not None], self._attached.sharded)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``: the gradients are already true, so this only checks them.
@@ -356,76 +355,9 @@ class GradientScaler:
             self._attached.save_buffers()
         return True
 
-    def _check(self, grads: list[torch.Tensor]) -> bool:
-        """Whether one of ``grads`` is non-finite now: one read of each, with the drift statistic, in one sync.
-
-        The first check after a backward also takes the largest magnitudes of the weight gradients it
-        queued (:meth:`GradientDrift.pending`: each tensor read once, where it is also one of ``grads``).
-        Where that reading finds weight gradients that overflowed by themselves at GEMMs the replay kept
-        the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again.
-        """
-        unread = self._unread
-        pending = [graph.drift.pending() for graph in unread]
-        queued = [t for tensors in pending for t in tensors]
-        local = [_local(g) for g in grads]  # a sharded gradient (FSDP2's DTensor): this rank's shard, flag reduced below
-        dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())  # queued first
-        readings = [largest_magnitudes(dense)] if dense else []
-        readings += unscale_and_check_(g for g in local if g.is_sparse)  # their values, coalesced where fp16 duplicates may overflow
-        values = torch.cat([r.to(readings[0].device) for r in readings]).tolist() if readings else []  # one sync
-        index = {id(t): k for k, t in enumerate(dense)}
-        maxima = [values[index[id(t)]] for t in local if id(t) in index]
-        non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
-        if self._attached.sharded or any(g is not t for g, t in zip(grads, local)):
-            non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)  # every rank joins, gradients or not
-        if not unread:
-            return non_finite
-        self._unread = []
-        for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
-            graph.drift.read([values[index[id(t)]] for t in tensors])
-        recomputed = self._recompute_graph in unread and self._recompute_overflows(self._recompute_graph)
-        for graph in unread:
-            if graph.drift.last.drifted and not self._surprise_within_margin(graph):
-                graph.force_update = True
-        return self._check(grads) if recomputed else non_finite
-
-    def _surprise_within_margin(self, graph: GraphScales) -> bool:
-        """Where weight gradients rising above what the last update expected of them is all that asks for an
-        update, and each is computed at a scale an update expecting it would allow (the margin above
-        expected maxima intact, :func:`~gs_lightning.scaling.drift.within_margin`): expect those values
-        from now on, without an update. Whether it did.
-
-        The update such a rise asked for before would not lower those layers on its account: SegNet's
-        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected (README "How it works").
-        """
-        reading = graph.drift.last
-        plan, analysis = graph.plans.get(()), graph.analyses.get(())
-        if not reading.surprised or reading.non_finite or reading.shrank or plan is None or analysis is None:
-            return False
-        margin = self.recipe.expected_maxima_margin_log2
-        if not within_margin(analysis, plan, reading.surprised, partial(expected_total, lambda_max=self.format.max, margin_log2=margin)):
-            return False
-        graph.drift.raise_expected(reading.surprised)
-        return True
-
-    def _recompute_overflows(self, graph: GraphScales) -> bool:
-        """Where every non-finite gradient is a weight gradient that overflowed by itself at a GEMM the replay
-        kept the operands of, recompute those in fp32 into ``.grad``; whether it did (the step can go on)."""
-        reading = graph.drift.last
-        if not reading.non_finite:
-            return False
-        grads = self._recompute.recompute(reading.non_finite)
-        if grads is None:
-            return False
-        for parameter, grad in grads.values():
-            parameter.grad.copy_(grad)
-        maxima = largest_magnitudes([grad for _, grad in grads.values()]).tolist()
-        graph.drift.recomputed(dict(zip(grads, maxima)))
-        self._recomputed_steps += 1
-        return True
-
     def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether one of ``optimizer``'s gradients is non-finite, every one read."""
-        return self._check([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None])
+        return self._read.non_finite([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], self._attached.sharded)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.
@@ -443,10 +375,8 @@ class GradientScaler:
             )
         self._optimizer_stage.clear()
         self._optimizer_found_inf.clear()
-        for graph in self._unread:
-            graph.drift.discard()
-        self._unread, self._ran = [], []
-        self._recompute.clear()
+        self._read.discard()
+        self._ran = []
         self._written.clear()
         self._skipped_this_iteration = False
 
@@ -485,7 +415,7 @@ class GradientScaler:
             "recipe": self.recipe.state_dict(),
             "iteration": self._iteration,
             "skipped_steps": self._skipped_steps,
-            "recomputed_steps": self._recomputed_steps,
+            "recomputed_steps": self._read.recomputed_steps,
             "update_iterations": self._update_iterations,
             "consecutive_skips": self._consecutive_skips,
             "backoff": self._backoff,
@@ -512,28 +442,28 @@ class GradientScaler:
                 )
         self._iteration = int(state["iteration"])
         self._skipped_steps = int(state["skipped_steps"])
-        self._recomputed_steps = int(state.get("recomputed_steps", 0))
+        self._read.recomputed_steps = int(state.get("recomputed_steps", 0))
         self._update_iterations = int(state.get("update_iterations", 0))
         self._consecutive_skips = int(state.get("consecutive_skips", 0))
         self._backoff = state["backoff"]
         self._graphs.load_state_dict(state["graphs"] if "graphs" in state else _one_graph_state(state), self._new_drift)
 
     # Pickling and copy.deepcopy: settings, counters and scales; no model, no state of an iteration in progress.
-    _UNPICKLED = ("_attached", "_prepared", "_ran", "_unread", "_recompute_graph",
-                  "_written", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan", "_recompute")
+    _UNPICKLED = ("_attached", "_prepared", "_ran", "_read", "_written", "_optimizer_stage", "_optimizer_found_inf", "_compiled", "_compiled_plan")
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy keeps. Without the models it names no layers and restores no buffers until :meth:`attach`."""
-        return {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
+        return {**{k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}, "_recomputed_steps": self._read.recomputed_steps}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._attached = AttachedModels()
-        self._prepared, self._ran, self._unread, self._recompute_graph = None, [], [], None
+        self._prepared, self._ran = None, []
         self._written = {}
         self._optimizer_stage, self._optimizer_found_inf = {}, {}
         self._compiled, self._compiled_plan = [], None
-        self._recompute = WeightGradRecompute(self.format.max)
+        self._read = self._new_read()
+        self._read.recomputed_steps = state["_recomputed_steps"]
 
     # --- one backward ------------------------------------------------------------------------
 
@@ -546,7 +476,7 @@ class GradientScaler:
         """Drop a prepared backward that did not finish: its hooks, and any still-scaled gradient."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None:
-            self._recompute.clear()
+            self._read.recompute.clear()
         pending = [prepared] if prepared is not None else []
         while pending:
             prepared = pending.pop()
@@ -638,10 +568,10 @@ class GradientScaler:
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
         prepared.handles += run.register() if run is not None else plan.replay(graph, leaves)
         if not path:  # after the replay's own hooks: what is kept is what the nodes use
-            self._recompute.clear()
-            self._recompute_graph = scales
+            self._read.recompute.clear()
+            self._read.recompute_graph = scales
             if run is None and plan.recomputable:
-                prepared.handles += self._recompute.register(graph, analysis, plan, leaves.deferred)
+                prepared.handles += self._read.recompute.register(graph, analysis, plan, leaves.deferred)
         for c in sorted(analysis.reentrant):  # after the run's own pre-hook, which merges c's incoming scales
             prepared.handles.append(graph.nodes[c].register_prehook(partial(self._enter_checkpoint, prepared, c)))
         return prepared
@@ -719,9 +649,9 @@ class GradientScaler:
                     prepared.parent.run.absorb(run)
             return
         self._prepared = None
-        for queue in (self._unread, self._ran):
-            if scales not in queue:
-                queue.append(scales)
+        self._read.queue(scales)
+        if scales not in self._ran:
+            self._ran.append(scales)
         if run is not None:
             self._finish_update(run, scales)
         if run is not None or any(m.ran_eagerly for m in self._compiled):  # a replay too: after load_state_dict
@@ -870,21 +800,6 @@ def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, i: int, k:
     edge = graph.edges[i][k]
     carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
     return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor gradient's shard on this rank; any other gradient as it is."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if callable(to_local) else grad
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank (sharded gradients: each rank checked its own shard)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    reduced = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
-    return bool(reduced.item())
 
 
 def _flatten(outputs: Outputs, where: str) -> list[torch.Tensor]:

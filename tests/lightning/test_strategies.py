@@ -25,7 +25,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import DATA, Classifier, make_trainer
 from lightning_packages import on_package
 from torch.utils.data import DataLoader, TensorDataset

@@ -17,10 +17,16 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling.drift import DriftReading, GradientDrift, LayerBackoff, within_margin
-from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling import update
+from gs_lightning.scaling.drift import (
+    DriftReading,
+    GradientDrift,
+    LayerBackoff,
+    within_margin,
+)
 from gs_lightning.scaling.limits import Limit
+from gs_lightning.scaling.recipe import ScalingRecipe
+from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import expected_total
 
 TARGET = 1e-3
@@ -412,7 +418,7 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update(mo
     assert within_margin(analysis, plan, {leaf: expected}, highest)
     assert not within_margin(analysis, plan, {leaf: expected * 2.0**12}, highest)
     assert not within_margin(analysis, plan, {-1: expected}, highest)
-    monkeypatch.setattr(GradientScaler, "_surprise_within_margin", lambda self, graph: False)  # an update for every rise, as before
+    monkeypatch.setattr(StepRead, "_surprise_within_margin", lambda self, graph: False)  # an update for every rise, as before
     assert run().update_iterations > scaler.update_iterations
 
 

@@ -68,7 +68,7 @@ def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_t
     assert all(_step(scaler, model, optimizer, easy) for _ in range(3))  # an update, then replays
     assert _step(scaler, model, optimizer, hard)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
-    assert scaler._recompute._kept == {}  # what was kept is released with the step
+    assert scaler._read.recompute._kept == {}  # what was kept is released with the step
     assert scaler.drift.non_finite == frozenset()  # the recomputed gradient is finite: nothing overflowed in the end
     reference = copy.deepcopy(model)
     reference.zero_grad(set_to_none=True)
@@ -128,7 +128,7 @@ def test_without_recomputation_nothing_is_kept_and_the_step_is_skipped() -> None
     with torch.autocast("cpu", dtype=torch.float16):
         loss = _loss(model, hard)
     scaler.backward(loss)
-    assert scaler._recompute._kept == {}  # no memory held for it
+    assert scaler._read.recompute._kept == {}  # no memory held for it
     assert not scaler.step(optimizer)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (1, 0)
     with pytest.raises(ValueError, match="recompute_weight_gradients must be True or False, got 'yes'"):
@@ -212,10 +212,10 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
             loss = model(x).float().square().mean()
         scaler.backward(loss)
         if step == 1:
-            leaves = [p.leaf for kept in scaler._recompute._kept.values() for p in kept.parameters]
-            assert scaler._recompute.recompute(leaves) is None  # nothing overflowed: nothing to recompute
-            scaler._recompute.lambda_max = 0.0  # every value an overflow: the recomputation itself, compared
-            recomputed = scaler._recompute.recompute(leaves)
+            leaves = [p.leaf for kept in scaler._read.recompute._kept.values() for p in kept.parameters]
+            assert scaler._read.recompute.recompute(leaves) is None  # nothing overflowed: nothing to recompute
+            scaler._read.recompute.lambda_max = 0.0  # every value an overflow: the recomputation itself, compared
+            recomputed = scaler._read.recompute.recompute(leaves)
             assert recomputed is not None and len(recomputed) == len(list(model.parameters()))
             for parameter, grad in recomputed.values():
                 tolerance = 2e-2 if autocast else 1e-5

@@ -30,7 +30,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,9 +38,6 @@ from torch.autograd.graph import Node
 
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk_from
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, _post_hook, _pre_hook
-
-if TYPE_CHECKING:
-    from gs_lightning.scaling.scaler import GradientScaler
 
 COMPILED_NODE = "CompiledFunctionBackward"
 _TRACE_LEAVES = (LEAF, "Error")  # AOTAutograd's traced inputs show as Error nodes where eager has AccumulateGrad
@@ -341,11 +338,11 @@ class CompiledModule:
 
     _active: list[CompiledModule] = []  # the modules whose compiled forward is running, innermost last
 
-    def __init__(self, owner: object, attribute: str, compiled: Callable, original: Callable, scaler: GradientScaler) -> None:
+    def __init__(self, owner: object, attribute: str, compiled: Callable, original: Callable, modules: CompiledModules) -> None:
         self.owner, self.attribute = owner, attribute
         self.compiled_forward, self.original = compiled, original
         setattr(owner, attribute, self.forward)
-        self.serve(scaler)
+        self.serve(modules)
 
     @property
     def name(self) -> str:
@@ -354,31 +351,32 @@ class CompiledModule:
         return type(owner).__name__ + ("" if self.attribute == "forward" else f".{self.attribute}")
 
     @classmethod
-    def of(cls, module: torch._dynamo.eval_frame.OptimizedModule, scaler: GradientScaler) -> CompiledModule:
-        """``module`` under ``scaler``: compiled again the first time, taken over from the scaler it served before."""
+    def of(cls, module: torch._dynamo.eval_frame.OptimizedModule, modules: CompiledModules) -> CompiledModule:
+        """``module`` among ``modules``: compiled again the first time, taken over from the scaler it served before."""
         served = getattr(module.forward, "__self__", None)
         if isinstance(served, CompiledModule):
-            served.serve(scaler)
+            served.serve(modules)
             return served
         ctx = module.dynamo_ctx
         rewrapped = torch.compile(module._orig_mod, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
         module.dynamo_ctx = rewrapped.dynamo_ctx
         module._initialize()  # its forward, as torch.compile wraps it, with the scaling backend
-        return cls(module, "forward", module.forward, module._orig_mod, scaler)
+        return cls(module, "forward", module.forward, module._orig_mod, modules)
 
     @classmethod
-    def of_method(cls, owner: nn.Module, attribute: str, original: Callable, ctx: Any, scaler: GradientScaler) -> CompiledModule:
-        """``owner.attribute``, which ``ctx`` (a dynamo context) compiled from ``original``, under ``scaler``."""
+    def of_method(cls, owner: nn.Module, attribute: str, original: Callable, ctx: Any, modules: CompiledModules) -> CompiledModule:
+        """``owner.attribute``, which ``ctx`` (a dynamo context) compiled from ``original``, among ``modules``."""
         served = getattr(getattr(owner, attribute), "__self__", None)
         if isinstance(served, CompiledModule):
-            served.serve(scaler)
+            served.serve(modules)
             return served
         compiled = torch.compile(original, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
-        return cls(owner, attribute, compiled, original, scaler)
+        return cls(owner, attribute, compiled, original, modules)
 
-    def serve(self, scaler: GradientScaler) -> None:
-        """Scale for ``scaler`` from now on, from its first update (a resumed scaler, a new run on the same model)."""
-        self._scaler = weakref.ref(scaler)
+    def serve(self, modules: CompiledModules) -> None:
+        """Scale for the scaler that ``modules`` belong to from now on, from its first update (a resumed scaler, a
+        new run on the same model)."""
+        self._served = weakref.ref(modules)
         self.eager_reason: str | None = None  # set once the compiled graph cannot carry the eager plan
         self.updating = True  # whether this iteration's forward runs its graphs eagerly
         self.graph_calls = 0  # graphs this iteration's forwards ran
@@ -396,12 +394,12 @@ class CompiledModule:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The compiled forward, whose graphs run eagerly on an update iteration; the original module's for good
         once :attr:`eager_reason` is set."""
-        scaler = self._scaler()
-        if scaler is None or not scaler.enabled or not torch.is_grad_enabled():
+        served = self._served()
+        if served is None or not served.enabled() or not torch.is_grad_enabled():
             return self.compiled_forward(*args, **kwargs)
         if self.eager_reason is not None:
             return self.original(*args, **kwargs)
-        self.updating = self.region is None or scaler._updates_next()
+        self.updating = self.region is None or served.updates_next()
         CompiledModule._active.append(self)
         try:
             return self.compiled_forward(*args, **kwargs)
@@ -427,8 +425,8 @@ class CompiledModule:
 
     def vector(self, graph: ScaledGraph) -> torch.Tensor:
         """This module's scale vector for ``graph``, holding the last update's factors."""
-        scaler = self._scaler()
-        eager = scaler._compiled_plan if scaler is not None else None
+        served = self._served()
+        eager = served.eager_plan if served is not None else None
         cached = self._vectors.get(graph)
         if eager is not None and cached is not None and cached[0] == eager.version:
             return cached[1]
@@ -496,30 +494,112 @@ class CompiledModule:
 
     def run_eagerly(self, reason: str) -> None:
         """Give up compiled replays for this module: it runs eagerly under scaling from now on."""
-        scaler = self._scaler()
+        served = self._served()
         self.eager_reason = reason
-        if scaler is not None:
-            scaler._warn_once(
+        if served is not None:
+            served.warn_once(
                 f"compiled:{id(self)}",
                 f"GradientScaler: the compiled {self.name} runs eagerly from now on, with "
                 f"per-layer scales, because {reason}.",
             )
 
 
-def compiled_modules(model: nn.Module, scaler: GradientScaler) -> Iterator[CompiledModule]:
-    """The ``torch.compile``d modules in ``model`` (``model`` itself included), under ``scaler``.
+class CompiledModules:
+    """The ``torch.compile``d modules of a scaler's models, and the eager update their compiled replays read.
 
-    A LightningModule that Lightning compiled whole (``trainer.fit(torch.compile(model))``) holds
-    no compiled module: Lightning wraps its methods with the dynamo context instead and keeps the
-    originals in ``_compiler_ctx``; its ``training_step``, where the loss and its backward come
-    from, is compiled again with the scaling backend (the other steps run no backward).
+    Args:
+        enabled: Whether the scaler is on now (a disabled one's modules run as compiled, with no scale).
+        updates_next: Whether the next backward is an update iteration (the forwards then run their
+            captured graphs eagerly).
+        warn_once: Warns with a message once per key.
     """
-    for module in model.modules():
-        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            yield CompiledModule.of(module, scaler)
-        lightning = getattr(module, "_compiler_ctx", None)
-        if isinstance(lightning, dict) and lightning.get("compiler") == "dynamo":
-            yield CompiledModule.of_method(module, "training_step", lightning["original_training_step"], lightning["dynamo_ctx"], scaler)
+
+    def __init__(self, enabled: Callable[[], bool], updates_next: Callable[[], bool], warn_once: Callable[[str, str], None]) -> None:
+        self.enabled, self.updates_next, self.warn_once = enabled, updates_next, warn_once
+        self.modules: list[CompiledModule] = []
+        self.eager_plan: EagerPlan | None = None  # the last eager update, as the compiled replays read it
+
+    def __iter__(self) -> Iterator[CompiledModule]:
+        return iter(self.modules)
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def add(self, model: nn.Module) -> None:
+        """Take over the ``torch.compile``d modules in ``model`` (``model`` itself included).
+
+        A LightningModule that Lightning compiled whole (``trainer.fit(torch.compile(model))``) holds
+        no compiled module: Lightning wraps its methods with the dynamo context instead and keeps the
+        originals in ``_compiler_ctx``; its ``training_step``, where the loss and its backward come
+        from, is compiled again with the scaling backend (the other steps run no backward).
+        """
+        known = {id(m) for m in self.modules}
+        for module in model.modules():
+            if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+                found = CompiledModule.of(module, self)
+            else:
+                lightning = getattr(module, "_compiler_ctx", None)
+                if not (isinstance(lightning, dict) and lightning.get("compiler") == "dynamo"):
+                    continue
+                found = CompiledModule.of_method(module, "training_step", lightning["original_training_step"], lightning["dynamo_ctx"], self)
+            if id(found) not in known:
+                known.add(id(found))
+                self.modules.append(found)
+
+    def ran_compiled(self) -> list[CompiledModule]:
+        """The modules whose forward ran their compiled graph in this iteration."""
+        return [m for m in self.modules if m.compiled_inputs is not None]
+
+    def ran_eagerly(self) -> bool:
+        """Whether a module's forward ran its captured graph eagerly in this iteration."""
+        return any(m.ran_eagerly for m in self.modules)
+
+    def stale(self) -> bool:
+        """Whether a module ran compiled without the last update's scales (no update yet, or its graph did not
+        match, after which it runs eagerly for good): the backward is then scaled as any graph with opaque nodes,
+        and the next one must update."""
+        unmatched = [m for m in self.ran_compiled() if m.unmatched]
+        for module in unmatched:
+            module.run_eagerly("its compiled graph does not have the structure of its eager forward")
+        return self.eager_plan is None or bool(unmatched)
+
+    def replay(self, graph: AutogradGraph, module_names: dict[int, str], deferred: Callable[[GraphAnalysis], frozenset[int]]) -> tuple[GraphAnalysis, CompiledReplay]:
+        """The replay of the backward ``graph`` through the modules that ran compiled with the last update's scales.
+
+        Args:
+            graph: The loss's backward graph, with the compiled regions as opaque nodes.
+            module_names: Parameter id -> module name, which names its layers.
+            deferred: The leaves of ``graph``'s analysis whose gradients can wait for the unscale after the backward.
+
+        Raises:
+            RuntimeError: where the eager code around the regions changed since the update.
+        """
+        analysis = self.eager_plan.analysis_of(graph, module_names)
+        replay = replay_hooks(graph, analysis, self.eager_plan, self.ran_compiled(), deferred(analysis))
+        if replay is None:  # the region carried this plan's scales: a plain backward would leave scaled gradients
+            raise RuntimeError(
+                "GradientScaler: the backward graph around a torch.compile'd module changed since the last update "
+                "(other eager operators or another wiring), so the scales its compiled graph applied cannot be "
+                "matched; compile the whole model, or keep the eager code around the compiled module the same "
+                "from one iteration to the next."
+            )
+        return analysis, replay
+
+    def locate(self, graph: AutogradGraph, plan: ScalePlan, analysis: GraphAnalysis, version: int) -> bool:
+        """After an update of ``graph``: locate each module's eager forward in it, for the compiled replays; false
+        where a region ran compiled without this plan (the next backward must update)."""
+        if self.ran_compiled():
+            self.eager_plan = None
+            return False
+        for module in self.modules:
+            module.locate(graph)
+        self.eager_plan = EagerPlan(version, plan, analysis, graph)
+        return True
+
+    def end_iteration(self) -> None:
+        """Forget this iteration's forwards."""
+        for module in self.modules:
+            module.end_iteration()
 
 
 @dataclass

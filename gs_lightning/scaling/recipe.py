@@ -205,6 +205,11 @@ class ScalingRecipe:
             raise TypeError(f"ScalingRecipe has no field {said}. Its fields: {', '.join(sorted(fields))}")
         return dataclasses.replace(self, **changes)
 
+    @property
+    def measures_drift(self) -> bool:
+        """Whether a rule reads the weight gradients' largest values between updates (none in the paper's)."""
+        return self.drift_tolerance_log2 is not None or self.expected_maxima_margin_log2 is not None or self.recompute_weight_gradients
+
     def state_dict(self) -> dict[str, Any]:
         """Every field, as plain values."""
         return dataclasses.asdict(self)

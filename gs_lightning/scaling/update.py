@@ -12,8 +12,8 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 from functools import partial
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node

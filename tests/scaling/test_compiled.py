@@ -143,7 +143,7 @@ def test_compiled_gradients_equal_plain_compiled_and_scales_equal_eager(make, co
         assert scales == eager_scales
     changes = {tuple(sorted(scales.items())) for _, scales in scaled}
     assert len(changes) >= 3 and any(s > 1 for _, scales in scaled for s in scales.values())
-    (module,) = scaler._compiled
+    (module,) = scaler.compiled_modules
     assert module.eager_reason is None
     vectors = [vector for _, vector in module._vectors.values()]
     assert vectors and any(bool((v != 1).any()) for v in vectors)  # the compiled backward applied scales
@@ -157,7 +157,7 @@ def test_new_scales_do_not_recompile() -> None:
     # One graph for the plain model, one for the scaled one; the scaled one replayed three plans.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
-    (module,) = scaler._compiled
+    (module,) = scaler.compiled_modules
     assert [version for version, _ in module._vectors.values()] == [ITERATIONS - UPDATE_INTERVAL]
 
 
@@ -169,7 +169,7 @@ def test_a_fullgraph_model_stays_one_graph() -> None:
     record: list = []
     _train(model, scaler, INPUTS[ResidualCNN], record)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert scaler._compiled[0].eager_reason is None
+    assert scaler.compiled_modules[0].eager_reason is None
 
 
 @pytest.mark.slow  # two inductor compilations: about 20 s on the 2-core development machine
@@ -184,7 +184,7 @@ def test_inductor_replays_are_bit_identical_to_its_plain_backward() -> None:
             for a, b in zip(grads, plain_grads):
                 torch.testing.assert_close(a, b)
         assert scales == eager_scales
-    assert scaler._compiled[0].eager_reason is None and scaler._compiled[0]._vectors
+    assert scaler.compiled_modules[0].eager_reason is None and scaler.compiled_modules[0]._vectors
 
 
 class BrokenMLP(MLP):
@@ -245,7 +245,7 @@ def test_a_resumed_scaler_replays_its_saved_scales_inside_the_compiled_graph() -
         resumed.backward(F.cross_entropy(model(x), y))
         F.cross_entropy(plain(x), y).backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
-    (module,) = resumed._compiled
+    (module,) = resumed.compiled_modules
     assert resumed.scales() == scaler.scales() and any(s > 1 for s in scaler.scales().values())
     assert [version for version, _ in module._vectors.values()] == [2]  # no update: the saved plan, replayed compiled
 
@@ -264,7 +264,7 @@ def test_gradient_accumulation_through_a_compiled_model_stays_exact() -> None:
             scaler.backward(F.cross_entropy(model(x), y))
             F.cross_entropy(plain(x), y).backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
-    assert scaler._compiled[0]._vectors and any(s > 1 for s in scaler.scales().values())
+    assert scaler.compiled_modules[0]._vectors and any(s > 1 for s in scaler.scales().values())
 
 
 def test_a_compiled_module_called_twice_per_iteration_runs_eagerly_with_per_layer_scales() -> None:
@@ -316,4 +316,4 @@ def test_norms_and_dropout_are_matched_and_replays_stay_exact() -> None:
                 grads.append([p.grad for p in net.parameters()])
             if iteration % UPDATE_INTERVAL:
                 assert all(torch.equal(a, b) for a, b in zip(*grads))
-    assert scaler._compiled[0]._vectors and any(s > 1 for s in scaler.scales().values())
+    assert scaler.compiled_modules[0]._vectors and any(s > 1 for s in scaler.scales().values())

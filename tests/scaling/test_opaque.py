@@ -124,5 +124,5 @@ def test_a_custom_function_inside_a_compiled_model_is_scaled_as_one_unit() -> No
             F.cross_entropy(reference(x), y).backward()
             assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
     (region,) = [layer for layer in scaler.layers() if layer.kind == "opaque"]
-    assert "CompiledFunction" not in region.name and scaler._compiled[0].eager_reason is None
+    assert "CompiledFunction" not in region.name and scaler.compiled_modules[0].eager_reason is None
     assert region.log2_total >= 16  # GradScaler's initial scale

@@ -7,9 +7,9 @@ DAG, ``update`` decides the scales on an update iteration, ``plan`` replays them
 ranges.
 """
 
+from gs_lightning.scaling.decide import LayerScale
 from gs_lightning.scaling.formats import FORMATS, FloatFormat, float_format
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.scaler import GradientScaler
-from gs_lightning.scaling.update import LayerScale
 
 __all__ = ["FORMATS", "FloatFormat", "GradientScaler", "LayerScale", "ScalingRecipe", "float_format"]

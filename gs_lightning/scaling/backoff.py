@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from gs_lightning.scaling.bounds import MAX_LOG2_TOTAL
 from gs_lightning.scaling.drift import overflow_caps, overflow_leaves
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.recipe import ScalingRecipe
-from gs_lightning.scaling.update import MAX_LOG2_TOTAL, UpdateRun
+from gs_lightning.scaling.update import UpdateRun
 
 
 class SkipBackoff:

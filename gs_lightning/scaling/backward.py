@@ -20,6 +20,7 @@ from torch.autograd.graph import Node
 
 from gs_lightning.scaling.attached import AttachedModels
 from gs_lightning.scaling.backoff import SkipBackoff, log2_floor
+from gs_lightning.scaling.bounds import Settings
 from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModules, CompiledReplay
 from gs_lightning.scaling.drift import GradientDrift, unscale_and_measure
@@ -29,7 +30,7 @@ from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.step_read import StepRead
-from gs_lightning.scaling.update import Settings, UpdateRun
+from gs_lightning.scaling.update import UpdateRun
 
 
 class PreparedBackward:

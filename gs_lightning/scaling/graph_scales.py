@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from gs_lightning.scaling.decide import LayerScale
 from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
-from gs_lightning.scaling.update import LayerScale
 
 Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
 

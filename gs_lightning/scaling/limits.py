@@ -1,7 +1,7 @@
 """What held a scale below the smallest one that meets γ': the reasons an update records per layer.
 
 The rules compare these members, never their text; the text is what :attr:`LayerScale.limited_by
-<gs_lightning.scaling.update.LayerScale.limited_by>` shows.
+<gs_lightning.scaling.decide.LayerScale.limited_by>` shows.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from gs_lightning.scaling.attached import AttachedModels
 from gs_lightning.scaling.backoff import SkipBackoff
 from gs_lightning.scaling.backward import ScaledBackwards
 from gs_lightning.scaling.compiled import CompiledModule
+from gs_lightning.scaling.decide import LayerScale
 from gs_lightning.scaling.drift import DriftReading
 from gs_lightning.scaling.formats import float_format
 from gs_lightning.scaling.graph_scales import GraphScales
@@ -49,7 +50,6 @@ from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.step_read import StepRead
-from gs_lightning.scaling.update import LayerScale
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
 

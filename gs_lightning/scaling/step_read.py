@@ -16,11 +16,11 @@ from functools import partial
 
 import torch
 
+from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.drift import largest_magnitudes, within_margin
 from gs_lightning.scaling.finite import unscale_and_check_
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.recompute import WeightGradRecompute
-from gs_lightning.scaling.update import expected_total
 
 
 class StepRead:

@@ -17,7 +17,8 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling import update
+from gs_lightning.scaling import bounds
+from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.drift import (
     DriftReading,
     GradientDrift,
@@ -27,7 +28,6 @@ from gs_lightning.scaling.drift import (
 from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.step_read import StepRead
-from gs_lightning.scaling.update import expected_total
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
@@ -334,7 +334,7 @@ def test_expected_maxima_follow_a_falling_level_and_remember_spikes() -> None:
 
 def _without_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
     """As where no weight gradient can be recomputed (a compiled replay): the scales keep clear of every spike."""
-    monkeypatch.setattr(update, "recomputable", lambda *args: False)
+    monkeypatch.setattr(bounds, "recomputable", lambda *args: False)
 
 
 def _large_inputs(model: nn.Module) -> torch.Tensor:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from gs_lightning.scaling.decide import LayerScale
 from gs_lightning.scaling.limits import Limit, describe, parse
-from gs_lightning.scaling.update import LayerScale
 
 
 @pytest.mark.parametrize("limit", list(Limit))

@@ -27,7 +27,7 @@ from torch import nn
 
 from gs_lightning import GradientScaler
 from gs_lightning.analysis.fidelity import FidelityProbe
-from gs_lightning.scaling.update import UpdateRun
+from gs_lightning.scaling.decide import NodeDecisions
 
 _G = torch.Generator().manual_seed(0)
 _X = torch.randn(2, 3, 32, 32, generator=_G)
@@ -454,9 +454,9 @@ def test_opaque_nodes_are_named_in_the_warning_and_scaled_as_one_unit() -> None:
 def weight_probes_only_where(monkeypatch: pytest.MonkeyPatch, readable: Callable[[str], bool]) -> None:
     """Let only the layers ``readable`` accepts (by name) probe their weight gradients, as non-reentrant
     checkpointing leaves them: a checkpointed layer's input cannot be read."""
-    weight_samples = UpdateRun._weight_samples
+    weight_samples = NodeDecisions._weight_samples
     monkeypatch.setattr(
-        UpdateRun, "_weight_samples",
+        NodeDecisions, "_weight_samples",
         lambda self, i, grad, elements=None: weight_samples(self, i, grad, elements) if readable(self.analysis.layer_names[i]) else [],
     )  # fmt: skip
 

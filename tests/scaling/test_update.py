@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.gains import node_gains
 from gs_lightning.scaling.graph import walk
-from gs_lightning.scaling.update import node_gains
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14  # fp16's smallest normal, the default λmin

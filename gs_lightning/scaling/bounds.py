@@ -1,0 +1,215 @@
+"""What bounds each node's scale on an update: the overflow bounds' rules, the caps, the gains downstream.
+
+The decision core (:mod:`~gs_lightning.scaling.decide`) measures a node's statistics and turns them into
+an underflow bound and overflow bounds; :meth:`ScaleBounds.choose` picks the scale from those and from
+every cap (the user's, the back-off's, what the GEMMs downstream keep), and says what held it down.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gs_lightning.scaling.drift import parameter_leaves
+from gs_lightning.scaling.gains import gains_after, kept_downstream, node_gains
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.limits import Bound, Limit
+from gs_lightning.scaling.plan import LeafTargets
+from gs_lightning.scaling.recipe import ScalingRecipe
+from gs_lightning.scaling.recompute import recomputable
+from gs_lightning.scaling.underflow import choose_log2_scale, overflow_max_log2_scale
+
+# Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
+# factor, and the scalar it is given as) represents every factor and its inverse as a normal
+# number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
+# NaN). Gradients needing more lie far below every low-precision format's range anyway.
+MAX_LOG2_TOTAL = 100
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What an update run needs from the scaler, fixed for the run.
+
+    Attributes:
+        underflow_rate: γ', the target underflow rate.
+        lambda_min: λmin of the underflow model.
+        lambda_lost: Below this a gradient's value is lost, not only less precise: the format's
+            smallest subnormal, raised by the drift the scales tolerate between updates. Spike room
+            (:attr:`ScalingRecipe.spike_room_log2`) may lower a GEMM's scale as far as this bound allows.
+        lambda_max: λmax, the format's largest finite value.
+        relu_factor: Multiplies the accumulation length of Lemma 1.
+        layer_cap: log2 cap on each local scale, or ``None``.
+        total_cap: log2 cap on each accumulated scale (user cap and back-off), or ``None``.
+        node_caps: Node index -> log2 cap on that node's accumulated scale (per-layer back-off).
+        expected_maxima: Leaf index -> how large its gradient is expected to get on the coming
+            batches (:meth:`GradientDrift.expect`): a weight gradient's overflow bound.
+        recompute: Whether the replays can recompute weight gradients that overflow
+            (:mod:`~gs_lightning.scaling.recompute`): eager replays, in a format that overflows.
+        level_maxima: Leaf index -> its gradient's level, without the spikes
+            (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
+            with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
+        recipe: The rules' settings (margins, headroom, probe budgets).
+    """
+
+    underflow_rate: float
+    lambda_min: float
+    lambda_lost: float
+    lambda_max: float
+    relu_factor: float
+    layer_cap: int | None
+    total_cap: int | None
+    node_caps: Mapping[int, int] = field(default_factory=dict)
+    expected_maxima: Mapping[int, float] = field(default_factory=dict)
+    recompute: bool = False
+    level_maxima: Mapping[int, float] = field(default_factory=dict)
+    recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
+
+
+def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
+    """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
+    ``margin_log2`` binades (:attr:`ScalingRecipe.expected_maxima_margin_log2`) below ``lambda_max``."""
+    return math.ceil(overflow_max_log2_scale(expected * 2.0**margin_log2, lambda_max)) - 1
+
+
+def decision_nodes(analysis: GraphAnalysis) -> set[int]:
+    """The nodes an update decides a scale at, or merges incoming scales at."""
+    a = analysis
+    return a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
+
+
+class ScaleBounds:
+    """The bounds and caps on each node's scale during one update run (module docstring).
+
+    Args:
+        graph: The walked backward graph.
+        analysis: Its node classification.
+        settings: Targets, ranges and caps.
+        leaves: Which leaves are deferred (what the replays can recompute).
+
+    Attributes:
+        expected: GEMM node -> the largest value its parameter gradients are expected to reach.
+        recomputable: GEMMs whose weight gradients the replays recompute in fp32 if they overflow.
+        fed_maxima: Such a GEMM -> the expected maxima of the parameter gradients it feeds.
+        kept_downstream: Node -> the highest accumulated scale any gradient it sends on is used at.
+        gains_after: Node -> how much the gradient it receives can grow before the next decision.
+    """
+
+    def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, leaves: LeafTargets) -> None:
+        self.graph, self.analysis, self.settings, self.leaves = graph, analysis, settings, leaves
+        self.recomputable: set[int] = set()
+        self.fed_maxima: dict[int, float] = {}
+        self.expected = self._expected_maxima()
+        self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
+        self.gains_after = gains_after(graph, analysis, node_gains(graph))
+
+    def _expected_maxima(self) -> dict[int, float]:
+        """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
+        where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
+        maxima, decides = {}, decision_nodes(self.analysis)
+        for i in self.analysis.gemms:
+            leaves = parameter_leaves(self.graph.edges, self.analysis, i)
+            expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
+            level = max((self.settings.level_maxima.get(j, 0.0) for j in leaves), default=0.0)
+            if self.settings.recompute and recomputable(self.graph, self.analysis, i, self.leaves.deferred):
+                self.recomputable.add(i)
+            if i in self.recomputable and expected > 0.0 and level > 0.0:
+                maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
+                fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i, decides)), default=0.0)
+                if fed > 0.0:
+                    self.fed_maxima[i] = fed
+            elif expected > 0.0:
+                maxima[i] = expected
+        return maxima
+
+    def _fed_leaves(self, i: int, decides: set[int]) -> set[int]:
+        """The parameters whose gradients GEMM ``i``'s outgoing gradient reaches before the next decision
+        (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
+        a, found = self.analysis, set()
+        # a branch's sum is brought to a common scale: the scale i chose ends there too
+        frontier = [e[0] for k, e in enumerate(self.graph.edges[i]) if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots]
+        seen = set(frontier)
+        while frontier:
+            n = frontier.pop()
+            if n in a.leaves:
+                found.add(n)
+                continue
+            if n in decides:
+                continue
+            for edge in self.graph.edges[n]:
+                if edge is not None and edge[0] not in seen and edge not in a.branch_slots:
+                    seen.add(edge[0])
+                    frontier.append(edge[0])
+        return found
+
+    def expected_total(self, i: int) -> int:
+        """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>` bounds it)."""
+        return expected_total(self.expected[i], self.settings.lambda_max, self.expected_margin())
+
+    def expected_margin(self) -> float:
+        """:attr:`ScalingRecipe.expected_maxima_margin_log2` (there are expected maxima only where the rule is on)."""
+        margin = self.settings.recipe.expected_maxima_margin_log2
+        return 0.0 if margin is None else margin
+
+    def total_cap(self, i: int) -> int | None:
+        caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self.kept_downstream.get(i)) if c is not None]
+        return min(caps) if caps else None
+
+    def capped(self, exponent: int, i: int) -> int:
+        cap = self.total_cap(i)
+        return exponent if cap is None else min(exponent, cap)
+
+    def ceiling(self, i: int, alpha: int) -> int | None:
+        total = self.total_cap(i)
+        caps = [c for c in (self.settings.layer_cap, None if total is None else total - alpha) if c is not None]
+        return min(caps, default=None)
+
+    def gain_into(self, edge: Slot | None) -> float:
+        """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again (:func:`gains_after`)."""
+        return 1.0 if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0], 1.0)
+
+    def choose(self, i: int, alpha: int, lower: float, limits: dict[Bound, float]) -> tuple[int, Bound]:
+        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits``, and what held it below ``lower``.
+
+        Under expected parameter-gradient maxima, :attr:`ScalingRecipe.spike_room_log2` may lower the scale as far
+        as the same bound against :attr:`Settings.lambda_lost` allows.
+        """
+        s, recipe = self.settings, self.settings.recipe
+        # Exact bounds keep at least the replay headroom; the others are loose already.
+        limits = {bound: value - (recipe.replay_headroom_log2 if bound.limit.exact else 0.0) for bound, value in limits.items()}
+        upper_bound, upper = min(limits.items(), key=lambda item: item[1], default=(Bound(Limit.NONE), math.inf))
+        caps = {Limit.LAYER_CAP: s.layer_cap}
+        if s.total_cap is not None:
+            caps[Limit.TOTAL_CAP] = s.total_cap - alpha
+        if i in s.node_caps:
+            caps[Limit.BACKOFF] = s.node_caps[i] - alpha
+        if i in self.kept_downstream:
+            caps[Limit.KEPT_DOWNSTREAM] = self.kept_downstream[i] - alpha
+        caps = {limit: cap for limit, cap in caps.items() if cap is not None}
+        ceiling = min(caps.values(), default=None)
+        beta = choose_log2_scale(lower, upper, ceiling)
+        expected = any(bound.limit.expected for bound in limits)
+        if recipe.spike_room_log2 > 0.0 and expected and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
+            lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
+            roomy = min(value - (recipe.spike_room_log2 if bound.limit.expected else 0.0) for bound, value in limits.items())
+            with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
+            if with_room < beta:
+                return with_room, Bound(Limit.SPIKE_ROOM)
+        if not math.isfinite(lower) or beta >= math.ceil(lower):
+            return beta, Bound(Limit.NONE)
+        binding = next((limit for limit, cap in caps.items() if beta == cap), None)
+        if binding is not None and (not math.isfinite(upper) or beta < math.ceil(upper) - 1):
+            return beta, Bound(binding)
+        return beta, upper_bound
+
+    def expected_limits(self, i: int, alpha: int) -> dict[Bound, float]:
+        """The bounds from the parameter gradients GEMM ``i`` computes and feeds, as expected on the batches to come
+        (unscaled: the bound on the local scale leaves room for the scale ``alpha`` it receives)."""
+        s, limits = self.settings, {}
+        expected = self.expected.get(i, 0.0)
+        if expected > 0.0:
+            kind = Limit.RECOMPUTED_SPIKES if i in self.recomputable else Limit.EXPECTED_PARAMETER_GRADIENTS
+            limits[Bound(kind)] = overflow_max_log2_scale(expected * 2.0 ** (self.expected_margin() + alpha), s.lambda_max)
+        if i in self.fed_maxima:
+            limits[Bound(Limit.FED_PARAMETER_GRADIENTS)] = overflow_max_log2_scale(self.fed_maxima[i] * 2.0 ** (self.expected_margin() + alpha), s.lambda_max)
+        return limits

@@ -1,0 +1,127 @@
+"""How much a gradient can grow between two decisions: gains that no decision sees (batch norms, constant
+factors, a first backward's saved gradients under a second), and the scales the GEMMs downstream keep."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container, Iterator, Mapping
+
+import torch
+from torch.autograd.graph import Node
+from torch.utils._python_dispatch import _disable_current_modes
+
+from gs_lightning.scaling.gradient_stats import stats
+from gs_lightning.scaling.graph import BATCH_NORM_NODES, AutogradGraph, GraphAnalysis, batch_norm_gain, saved_tensor
+
+
+def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: Mapping[int, int]) -> dict[int, int]:
+    """Node -> the highest accumulated scale at which any of the gradients it sends on is still used as sent.
+
+    A GEMM whose parameter gradients cap its accumulated scale (``gemm_totals``) scales what it
+    receives down to that cap before computing anything: scale sent to it above the cap protects
+    no value (the multiply by 2^-k loses what the lower scale would have) and is exposed to
+    overflow on every batch in between (ResNet-8's logits gradient, scaled for its smallest values
+    of a converged batch, overflowed on a hard one although the layer it feeds sat 2^5 lower). A
+    gradient reaching a leaf or an uncapped GEMM keeps any scale. Nodes without a finite bound are
+    left out.
+    """
+    kept: dict[int, float] = {}
+
+    def received(node: int) -> float:  # the highest scale a gradient arriving at ``node`` is used at
+        if node in analysis.leaves:
+            return math.inf
+        if node in gemm_totals:
+            return gemm_totals[node]
+        return kept[node]
+
+    def targets(node: int) -> list[int]:
+        return [edge[0] for edge in graph.edges[node] if edge is not None]
+
+    for node in post_order(len(graph.nodes), targets, analysis.leaves):
+        kept[node] = max((received(t) for t in targets(node)), default=math.inf)
+    return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
+
+
+def post_order(count: int, targets: Callable[[int], list[int]], stops: Container[int]) -> Iterator[int]:
+    """Nodes ``0..count-1`` but ``stops``, each after every node it sends to (``targets``), without
+    recursion: for values that a node takes from those of the nodes downstream in the backward."""
+    done: set[int] = set()
+    stack = [(root, False) for root in range(count)]
+    while stack:
+        node, ready = stack.pop()
+        if node in done or node in stops:
+            continue
+        if ready:
+            done.add(node)
+            yield node
+            continue
+        stack.append((node, True))
+        stack.extend((t, False) for t in targets(node) if t not in done)
+
+
+def constant_factor(node: Node) -> torch.Tensor | None:
+    """|c| of a product by a constant scalar c (``MulBackward0`` whose saved factor is 0-dim), as a 0-dim tensor, else ``None``.
+
+    Its backward multiplies the gradient by c. Under ``create_graph=True`` the scaler's own factors
+    are such products, recorded in the first backward's graph: a second backward through it (a
+    gradient penalty) meets them as gains of 2^β that no decision sees.
+    """
+    factor = saved_tensor(node, "other")
+    if factor is None or factor.dim() != 0 or not factor.is_floating_point():
+        return None
+    # A Python scalar is saved as a wrapped-number tensor, which a dispatch mode (the fp16 emulation, a
+    # FLOP counter) receives as a float and cannot run ops on: read it outside the modes (a CPU scalar).
+    with _disable_current_modes():
+        return factor.detach().abs().float()
+
+
+SAVED_GRADIENTS = ("grad_output", "grad_out")
+
+
+def saved_gradient_gain(node: Node) -> torch.Tensor | None:
+    """max|g| of the gradient an elementwise node of a first backward's graph saved (``GeluBackwardBackward0``,
+    ``TanhBackwardBackward0``, ... under ``create_graph=True``), else ``None``: a second backward through it
+    multiplies its gradient by g, which carries the scales of the first backward."""
+    if "BackwardBackward" not in node.name() and "BackwardDataBackward" not in node.name():
+        return None
+    for name in SAVED_GRADIENTS:
+        g = saved_tensor(node, name)
+        if g is not None and g.is_floating_point() and g.numel():
+            return g.detach().abs().amax().float()
+    return None
+
+
+def node_gain(node: Node, name: str) -> torch.Tensor | None:
+    """How much ``node`` can multiply the gradient it passes on, where that is known: a batch norm's gain
+    (:func:`~gs_lightning.scaling.graph.batch_norm_gain`), a product by a constant (:func:`constant_factor`),
+    a saved first-order gradient (:func:`saved_gradient_gain`)."""
+    if name in BATCH_NORM_NODES:
+        return batch_norm_gain(node)
+    if name == "MulBackward0":
+        return constant_factor(node)
+    return saved_gradient_gain(node)
+
+
+def node_gains(graph: AutogradGraph) -> dict[int, float]:
+    """Node -> its gain above 1 (:func:`node_gain`), read in one synchronisation; empty, and nothing read, without any."""
+    found = [(j, gain) for j, name in enumerate(graph.names) if (gain := node_gain(graph.nodes[j], name)) is not None]
+    values = stats(*(gain for _, gain in found)) if found else []
+    return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
+
+
+def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, float]) -> dict[int, float]:
+    """Node -> how much the gradient it receives can grow before the next decision point, branch or
+    leaf sees it: the product of the batch-norm ``gains`` on the way (the node's own included), the
+    largest over the paths. Nodes where that is 1 are left out."""
+    if not gains:
+        return {}
+
+    def targets(node: int) -> list[int]:  # a branch bounds its sum again
+        return [edge[0] for edge in graph.edges[node] if edge is not None and edge not in analysis.branch_slots]
+
+    grown: dict[int, float] = {}
+    for node in post_order(len(graph.nodes), targets, analysis.leaves | analysis.layer_names.keys()):
+        gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets(node)), default=1.0)
+        if gain > 1.0:
+            grown[node] = gain
+    return grown

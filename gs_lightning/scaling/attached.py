@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
 import torch
 from torch import nn
 
@@ -11,22 +14,43 @@ from gs_lightning.scaling.graph import LEAF, AutogradGraph
 _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
+class _FSDPParamNames(NamedTuple):
+    """One of FSDP2's parameter records (``FSDPParam``) and the names of the parameter it holds."""
+
+    record: Any  # torch.distributed.fsdp's FSDPParam (private)
+    module: str
+    parameter: str
+
+
 class AttachedModels:
     """What the scaler knows of the models attached to it (:meth:`GradientScaler.attach`).
 
     Attributes:
         models: The attached models, in order.
-        module_names: ``id(parameter)`` -> qualified name of the module owning it (layer names).
-        parameter_names: ``id(parameter)`` -> its qualified name (error messages).
         sharded: Whether a model holds FSDP1 units (each rank's ``.grad`` is its own shard).
     """
 
     def __init__(self) -> None:
         self.models: list[nn.Module] = []
-        self.module_names: dict[int, str] = {}
-        self.parameter_names: dict[int, str] = {}
         self.sharded = False
+        self._module_names: dict[int, str] = {}
+        self._parameter_names: dict[int, str] = {}
+        self._fsdp_params: list[_FSDPParamNames] = []
         self._buffer_copy: list[torch.Tensor] = []
+
+    @property
+    def module_names(self) -> dict[int, str]:
+        """``id(parameter)`` -> qualified name of the module owning it (layer names), FSDP2's unsharded parameters included."""
+        if not self._fsdp_params:
+            return self._module_names
+        return {**self._module_names, **{id(param): names.module for names, param in self._unsharded()}}
+
+    @property
+    def parameter_names(self) -> dict[int, str]:
+        """``id(parameter)`` -> its qualified name (error messages), FSDP2's unsharded parameters included."""
+        if not self._fsdp_params:
+            return self._parameter_names
+        return {**self._parameter_names, **{id(param): names.parameter for names, param in self._unsharded()}}
 
     def attach(self, model: nn.Module) -> bool:
         """Add ``model``; whether it was new."""
@@ -34,8 +58,10 @@ class AttachedModels:
             return False
         self.models.append(model)
         self.sharded = self.sharded or any(is_fsdp1_unit(m) for m in model.modules())
-        self.module_names = {**_module_names(model), **self.module_names}
-        self.parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self.parameter_names}
+        # A later model's names do not replace an earlier one's (models may share modules).
+        self._module_names = {**_module_names(model), **self._module_names}
+        self._parameter_names = {**{id(p): name for name, p in model.named_parameters()}, **self._parameter_names}
+        self._fsdp_params = [*_fsdp_params(model), *self._fsdp_params]  # the earlier model's last: its names win
         self._buffer_copy = [b.detach().clone() for b in self._buffers()]
         return True
 
@@ -88,6 +114,14 @@ class AttachedModels:
                         "bf16_compress_hook (bf16 has fp32's range) or no compression hook."
                     )
 
+    def _unsharded(self) -> Iterator[tuple[_FSDPParamNames, torch.Tensor]]:
+        """FSDP2's unsharded parameters, which its forward puts in the modules and the autograd graph keeps as
+        leaves; each is made at its first all-gather (the first forward's) and kept, its storage freed and refilled."""
+        for names in self._fsdp_params:
+            param = getattr(names.record, "_unsharded_param", None)
+            if param is not None:
+                yield names, param
+
     def _buffers(self) -> list[torch.Tensor]:
         """The attached models' buffers, each once (models may share modules)."""
         return list({id(b): b for model in self.models for b in model.buffers()}.values())
@@ -97,7 +131,8 @@ def is_fsdp1_unit(module: nn.Module) -> bool:
     """Whether ``module`` is a ``FullyShardedDataParallel`` unit (FSDP1: plain tensors, each rank's shard)."""
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FullyShardedDataParallel  # imports torch.distributed's FSDP machinery: only here
+    # Imports torch.distributed's FSDP machinery: only here.
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     return isinstance(module, FullyShardedDataParallel)
 
@@ -105,10 +140,38 @@ def is_fsdp1_unit(module: nn.Module) -> bool:
 def _module_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for module_name, module in model.named_modules():
-        name = ".".join(part for part in module_name.split(".") if part != "_orig_mod")  # as the model had before torch.compile
         for param in module.parameters(recurse=False):
-            names.setdefault(id(param), name or type(module).__name__)
+            names.setdefault(id(param), _layer_name(module_name, module))
     return names
+
+
+def _layer_name(module_name: str, module: nn.Module) -> str:
+    """A module's name for the layers it owns: as the model had before torch.compile; the root's, its type's."""
+    return ".".join(part for part in module_name.split(".") if part != "_orig_mod") or type(module).__name__
+
+
+def _fsdp_params(model: nn.Module) -> list[_FSDPParamNames]:
+    """The records FSDP2 (``fully_shard``) keeps of ``model``'s parameters, with their names.
+
+    ``model.parameters()`` holds the sharded parameters (DTensors); the forward swaps in unsharded ones,
+    which the autograd graph's leaves are, so those are named through these records.
+    """
+    names = {id(module): module_name for module_name, module in model.named_modules()}
+    records = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)  # FSDP2's FSDPModule
+        if get_state is None:
+            continue
+        state = get_state()
+        # Older torch keeps one group per module.
+        groups = state._fsdp_param_groups if hasattr(state, "_fsdp_param_groups") else [state._fsdp_param_group]
+        for record in (record for group in groups if group is not None for record in group.fsdp_params):
+            owner, param_name = record._module_info.module, record._module_info.param_name
+            if id(owner) in names:
+                module_name = names[id(owner)]
+                parameter = f"{module_name}.{param_name}" if module_name else param_name  # as named_parameters() has it
+                records.append(_FSDPParamNames(record, _layer_name(module_name, owner), parameter))
+    return records
 
 
 def _same_layout(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import gs_lightning
 from gs_lightning import GradientScaler
 
 STEPS, WORLD = 30, 2
@@ -87,10 +89,11 @@ def _bn_model() -> nn.Module:
     return nn.Sequential(block(16, 32), block(32, 32), nn.Linear(32, 4))
 
 
-def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list[str]]:
+def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list[str], list[list[str]]]:
     """4 fp16-autocast SGD steps under GradientScaler (update_interval=2: updates and replays); the skipped
-    steps and the kinds of the decisions."""
+    steps, the kinds of the decisions and the layers' names after each step."""
     scaler, optimizer = GradientScaler(model, update_interval=2), torch.optim.SGD(model.parameters(), lr=0.1)
+    names = []
     for _ in range(4):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
@@ -98,11 +101,12 @@ def _bn_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, 
         scaler.backward(loss)
         scaler.step(optimizer)
         scaler.update()
-    return scaler.skipped_steps, sorted(layer.kind for layer in scaler.layers())
+        names.append(sorted(layer.name for layer in scaler.layers()))
+    return scaler.skipped_steps, sorted(layer.kind for layer in scaler.layers()), names
 
 
 def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
@@ -111,19 +115,34 @@ def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
             fully_shard(block)  # resharded after the forward: the BatchNorm weights' storage is freed until the backward
         fully_shard(model)
         x, y = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank)), torch.arange(16) % 4
-        torch.save(_bn_steps(model, x, y), out / f"fsdp{rank}.pt")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            steps = _bn_steps(model, x, y)
+        fp16 = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        fully_shard(fp16, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+        with pytest.raises(ValueError) as refused:  # its unsharded parameters are fp16
+            GradientScaler(fp16).backward(fp16(torch.randn(2, 4)).float().sum())
+        found = [(str(w.message), w.filename) for w in caught]
+        torch.save({"steps": steps, "warnings": found, "refused": str(refused.value)}, out / f"fsdp{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_unsharded_model_does(tmp_path: Path) -> None:
     """The update's BatchNorm gain bound reads no weight FSDP2 freed (it crashed the process with SIGSEGV), and
-    FSDP2's autograd markers pass the scales through: the same decisions as unsharded, no opaque region."""
+    FSDP2's autograd markers pass the scales through: the same decisions as unsharded, no opaque region. The
+    layers carry their modules' names from the first step, though the autograd graph holds FSDP2's unsharded
+    parameters, not the sharded ones (DTensors) the modules hold outside the forward; no warning comes of our
+    code, nor of a DTensor it made."""
     mp.spawn(_fsdp2_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
-    sharded = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(WORLD)]
     unsharded = _bn_steps(_bn_model(), torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4)
-    assert unsharded == (0, ["cast", "gemm", "gemm", "gemm"])
-    assert sharded == [unsharded] * WORLD
+    assert unsharded == (0, ["cast", "gemm", "gemm", "gemm"], [["0.0", "1.0", "2", "2.cast"]] * 4)
+    assert [rank["steps"] for rank in ranks] == [unsharded] * WORLD
+    package = str(Path(gs_lightning.__file__).parent)
+    for rank in ranks:
+        assert [(m, f) for m, f in rank["warnings"] if f.startswith(package) or "DTensor" in m] == []
+        assert rank["refused"].startswith("GradientScaler: parameter 2.bias is torch.float16")  # named, not "of shape (2,)"
 
 
 def test_ddp_with_an_fp16_compression_hook_is_refused_in_one_line(tmp_path: Path) -> None:

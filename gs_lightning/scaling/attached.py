@@ -97,8 +97,9 @@ class AttachedModels:
                 name = self.parameter_names.get(id(variable), f"of shape {tuple(variable.shape)}")
                 raise ValueError(
                     f"GradientScaler: parameter {name} is {variable.dtype}; its gradient cannot be unscaled in "
-                    f"{variable.dtype} without underflow. Keep parameters in float32 and run the forward under "
-                    "torch.autocast instead of model.half() (torch.amp.GradScaler refuses fp16 gradients too)."
+                    f"{variable.dtype} without underflow. Keep parameters in float32 (no model.half(), no FSDP2 "
+                    "MixedPrecisionPolicy(param_dtype=torch.float16)) and run the forward under torch.autocast "
+                    "(torch.amp.GradScaler refuses fp16 gradients too)."
                 )
 
     def refuse_fp16_communication(self) -> None:

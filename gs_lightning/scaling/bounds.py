@@ -108,7 +108,7 @@ class ScaleBounds:
         where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
         maxima, decides = {}, decision_nodes(self.analysis)
         for i in self.analysis.gemms:
-            leaves = parameter_leaves(self.graph.edges, self.analysis, i)
+            leaves = parameter_leaves(self.graph.names, self.graph.edges, self.analysis, i)
             expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
             level = max((self.settings.level_maxima.get(j, 0.0) for j in leaves), default=0.0)
             if self.settings.recompute and recomputable(self.graph, self.analysis, i, self.leaves.deferred):

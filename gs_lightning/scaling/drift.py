@@ -42,7 +42,7 @@ import math
 import statistics
 from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from gs_lightning.scaling.finite import unscale_
-from gs_lightning.scaling.graph import GraphAnalysis, Slot
+from gs_lightning.scaling.graph import GraphAnalysis, Slot, weight_path
 from gs_lightning.scaling.plan import ScalePlan
 from gs_lightning.scaling.recipe import ScalingRecipe
 
@@ -459,7 +459,7 @@ def within_margin(analysis: GraphAnalysis, plan: ScalePlan, surprised: Mapping[i
     The layer is the node that computed the gradient (:func:`overflow_caps`' choice).
     """
     for leaf, value in surprised.items():
-        node = _consumer(plan.edges, analysis, leaf) if leaf in analysis.leaf_sources else None
+        node = _consumer(plan, analysis, leaf) if leaf in analysis.leaf_sources else None
         if node is None or node not in plan.alpha_out or plan.alpha_out[node] > highest_total(value):
             return False
     return True
@@ -471,7 +471,7 @@ def overflow_origins(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Itera
     Of the nodes whose parameter gradients were non-finite, those with no such node above them: the
     others' were non-finite because a gradient they received already was.
     """
-    bad = {_consumer(plan.edges, analysis, j) for j in non_finite if j in analysis.leaf_sources}
+    bad = {_consumer(plan, analysis, j) for j in non_finite if j in analysis.leaf_sources}
     parents = _parents(plan.edges)
     return {i for i in bad if not _ancestors(parents, i) & (bad - {i})}
 
@@ -480,35 +480,21 @@ def overflow_leaves(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterab
     """Of the non-finite leaves, those whose gradient overflowed itself: computed at a node of :func:`overflow_origins`."""
     non_finite = [j for j in non_finite if j in analysis.leaf_sources]
     origins = overflow_origins(analysis, plan, non_finite)
-    return {j for j in non_finite if _consumer(plan.edges, analysis, j) in origins}
+    return {j for j in non_finite if _consumer(plan, analysis, j) in origins}
 
 
-def parameter_leaves(edges: Edges, analysis: GraphAnalysis, i: int) -> list[int]:
-    """The leaves whose gradients GEMM node ``i`` computes (its weight's and bias's, behind their casts)."""
-    leaves = (_leaf_behind(edges, analysis, edges[i][k]) for k in analysis.weight_edges.get(i, ()))
-    return [j for j in leaves if j is not None]
+def parameter_leaves(names: Sequence[str], edges: Edges, analysis: GraphAnalysis, i: int) -> list[int]:
+    """The leaves whose gradients GEMM node ``i`` computes (its weight's and bias's, behind their casts: :func:`weight_path`)."""
+    paths = (weight_path(names, edges, edges[i][k][0]) for k in analysis.weight_edges.get(i, ()))
+    return [path[-1] for path in paths if path is not None]
 
 
-def _consumer(edges: Edges, analysis: GraphAnalysis, leaf: int) -> int:
+def _consumer(plan: ScalePlan, analysis: GraphAnalysis, leaf: int) -> int:
     """The node that computed a leaf's gradient: the GEMM behind a weight's cast or transpose, or its source."""
     for i in analysis.weight_edges:
-        if leaf in parameter_leaves(edges, analysis, i):
+        if leaf in parameter_leaves(plan.names, plan.edges, analysis, i):
             return i
     return analysis.leaf_sources[leaf]
-
-
-def _leaf_behind(edges: Edges, analysis: GraphAnalysis, edge: Slot | None, hops: int = 4) -> int | None:
-    """The leaf ``edge`` leads to through single-edge nodes (a weight's cast, transpose, view), if any."""
-    for _ in range(hops):
-        if edge is None:
-            return None
-        if edge[0] in analysis.leaf_sources:
-            return edge[0]
-        onward = [e for e in edges[edge[0]] if e is not None]
-        if len(onward) != 1:
-            return None
-        edge = onward[0]
-    return None
 
 
 def _parents(edges: Edges) -> dict[int, list[int]]:

@@ -374,21 +374,34 @@ class GraphAnalysis:
     feeders: dict[Slot, int] = field(default_factory=dict)
 
 
-# How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes.
-_WEIGHT_PATH = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-                "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"}
+# How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes, a broadcast.
+WEIGHT_PATH = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                         "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"})
 
 
-def _leaf_reached(graph: AutogradGraph, target: int, hops: int = 4) -> int | None:
-    """The leaf an edge reaches through weight-path nodes only, if any: the edge carries a weight gradient."""
+def weight_path(names: Sequence[str], edges: Sequence[tuple[Slot | None, ...]], target: int, hops: int = 4) -> tuple[int, ...] | None:
+    """The nodes from ``target`` to the leaf it reaches through :data:`WEIGHT_PATH` nodes with one onward edge
+    each, the leaf last, if any: an edge into ``target`` carries a weight gradient.
+
+    The one walk from a GEMM's edge to its parameter: the analysis's weight edges and layer names, the
+    expected maxima of the drift statistic and the fp32 recompute all take it.
+    """
+    path = []
     for _ in range(hops):
-        if graph.names[target] == LEAF:
-            return target
-        nxt = [e for e in graph.edges[target] if e is not None]
-        if graph.names[target] not in _WEIGHT_PATH or len(nxt) != 1:
+        path.append(target)
+        if names[target] == LEAF:
+            return tuple(path)
+        onward = [e for e in edges[target] if e is not None]
+        if names[target] not in WEIGHT_PATH or len(onward) != 1:
             return None
-        target = nxt[0][0]
-    return target if graph.names[target] == LEAF else None
+        target = onward[0][0]
+    return (*path, target) if names[target] == LEAF else None
+
+
+def _leaf_reached(graph: AutogradGraph, target: int) -> int | None:
+    """The leaf :func:`weight_path` reaches from ``target``, if any."""
+    path = weight_path(graph.names, graph.edges, target)
+    return path[-1] if path is not None else None
 
 
 def _is_cast(graph: AutogradGraph, i: int) -> bool:

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import Node
 
-from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, saved_tensor
+from gs_lightning.scaling.graph import WEIGHT_PATH, AutogradGraph, GraphAnalysis, saved_tensor, weight_path
 from gs_lightning.scaling.plan import ScalePlan
 
-# Nodes between a GEMM and its parameter that only cast or lay out the gradient: called as they are.
-_LAYOUT_NODES = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-                           "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+# The recompute calls the nodes between a GEMM and its parameter as they are: those that only cast or lay out
+# the gradient. A broadcast weight (Expand, summed back) is left to the step's skip.
+_LAYOUT_NODES = WEIGHT_PATH - {"ExpandBackward0"}
 
 # A parameter edge's fp32 gradient from the node, its fp32 incoming gradient, its fp32 saved operands and the edge.
 EdgeGradient = Callable[[Node, torch.Tensor, dict[str, torch.Tensor], int], torch.Tensor]
@@ -80,20 +80,11 @@ class _Parameter:
 
 
 def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> _Parameter | None:
-    chain, edge = [], graph.edges[i][k]
-    for _ in range(4):
-        if edge is None:
-            return None
-        if graph.names[edge[0]] == LEAF:
-            return _Parameter(k, edge[0], tuple(chain))
-        if graph.names[edge[0]] not in _LAYOUT_NODES:
-            return None
-        chain.append(edge[0])
-        onward = [e for e in graph.edges[edge[0]] if e is not None]
-        if len(onward) != 1:
-            return None
-        edge = onward[0]
-    return None
+    edge = graph.edges[i][k]
+    path = weight_path(graph.names, graph.edges, edge[0]) if edge is not None else None
+    if path is None or any(graph.names[n] not in _LAYOUT_NODES for n in path[:-1]):
+        return None
+    return _Parameter(k, path[-1], path[:-1])
 
 
 def _parameters(graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred: frozenset[int]) -> list[_Parameter] | None:

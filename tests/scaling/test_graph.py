@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gs_lightning.scaling.graph import analyze, saved_tensor, walk
+from gs_lightning.scaling.drift import parameter_leaves
+from gs_lightning.scaling.graph import analyze, saved_tensor, walk, weight_path
+from gs_lightning.scaling.recompute import recomputable
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -61,3 +63,26 @@ def test_reentrant_checkpoint_is_recognised() -> None:
     graph = walk(out.sum().grad_fn)
     analysis = analyze(graph, {})
     assert [graph.names[i] for i in analysis.reentrant] == ["CheckpointFunctionBackward"] and not analysis.opaque
+
+
+def test_one_walk_leads_from_a_gemm_edge_to_its_parameter() -> None:
+    """Layer names and weight edges (the analysis), the parameter leaves the drift statistic expects maxima
+    of, and the fp32 recompute take the same walk; the recompute declines a broadcast weight, whose
+    gradient autograd sums back, and leaves its overflow to the step's skip."""
+    linear, shared = nn.Linear(4, 3), nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(2, 5, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = linear(x[0]).sum() + torch.bmm(x, shared.expand(2, 4, 3)).sum()
+    graph = walk(loss.grad_fn)
+    analysis = analyze(graph, {id(linear.weight): "linear", id(linear.bias): "linear", id(shared): "shared"})
+    deferred = frozenset(analysis.leaves)
+    found, through = {}, {}
+    for i in analysis.gemms:
+        leaves = parameter_leaves(graph.names, graph.edges, analysis, i)
+        paths = [weight_path(graph.names, graph.edges, graph.edges[i][k][0]) for k in analysis.weight_edges[i]]
+        assert [path[-1] for path in paths] == leaves
+        name = analysis.layer_names[i]
+        found[name] = ({id(graph.nodes[j].variable) for j in leaves}, recomputable(graph, analysis, i, deferred))
+        through[name] = {graph.names[n] for path in paths for n in path[:-1]}
+    assert found == {"linear": ({id(linear.weight), id(linear.bias)}, True), "shared": ({id(shared)}, False)}
+    assert "ExpandBackward0" in through["shared"] and "ExpandBackward0" not in through["linear"]

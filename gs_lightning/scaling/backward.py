@@ -337,7 +337,7 @@ class ScaledBackwards:
         self.update_iterations += 1
         scales.plans[()] = run.plan()
         scales.layers = {layer.name: layer for layer in run.layers}
-        scales.first_non_finite = run.first_non_finite()
+        scales.keep_finite_flags(run.decisions.finite_flags)
         scales.force_update = False
         self.backoff.updated(run, scales)
 

@@ -19,7 +19,16 @@ import torch
 
 from gs_lightning.scaling.bounds import ScaleBounds, Settings
 from gs_lightning.scaling.formats import FORMATS
-from gs_lightning.scaling.gradient_stats import Extremes, extremes, magnitude, magnitudes, rms, stats, stats_and_samples
+from gs_lightning.scaling.gradient_stats import (
+    Extremes,
+    FiniteFlags,
+    extremes,
+    magnitude,
+    magnitudes,
+    rms,
+    stats,
+    stats_and_samples,
+)
 from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.limits import Bound, Limit, describe, parse
 from gs_lightning.scaling.plan import times_pow2
@@ -97,15 +106,14 @@ class NodeDecisions:
 
     Attributes:
         layers: What each decision chose, in backward order.
-        finite_flags: (layer, values finite iff its gradient is), for :meth:`UpdateRun.first_non_finite
-            <gs_lightning.scaling.update.UpdateRun.first_non_finite>`.
+        finite_flags: (layer, values finite iff its gradient is), for :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
         self.graph, self.analysis, self.settings, self.bounds = graph, analysis, settings, bounds
         self.layers: list[LayerScale] = []
-        self.finite_flags: list[tuple[str, tuple[torch.Tensor, ...]]] = []
+        self.finite_flags: FiniteFlags = []
         self.opaque_probes: dict[int, tuple[int, float]] = {}
 
     def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: int) -> int:

@@ -69,3 +69,20 @@ def memory_order(t: torch.Tensor) -> torch.Tensor:
         return t
     permuted = t.permute(sorted(range(t.dim()), key=t.stride, reverse=True))
     return permuted if permuted.is_contiguous() else t
+
+
+FiniteFlags = list[tuple[str, tuple[torch.Tensor, ...]]]  # (layer, values all finite iff its gradient is)
+
+
+def first_non_finite(flags: FiniteFlags) -> str | None:
+    """The first layer of ``flags`` (in backward order) whose values are not all finite, in one synchronisation."""
+    values = [v for _, flag in flags for v in flag]
+    if not values:
+        return None
+    finite = torch.isfinite(torch.stack([v.float().to(values[0].device) for v in values])).tolist()
+    position = 0
+    for name, flag in flags:
+        if not all(finite[position : position + len(flag)]):
+            return name
+        position += len(flag)
+    return None

@@ -15,6 +15,7 @@ from typing import Any
 
 from gs_lightning.scaling.decide import LayerScale
 from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
+from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
 
@@ -36,7 +37,6 @@ class GraphScales:
         drift: Its weight gradients' largest values, between updates and at them.
         layer_backoff: Caps on its nodes that overflowed.
         layers: What its last update chose, layer by layer, in backward order.
-        first_non_finite: The first layer, in backward order, whose gradient was non-finite on its last update.
         backwards: Backwards of this structure run so far: its update schedule counts these.
         last_skip: :attr:`backwards` at the last skipped step it took part in.
         force_update: Whether its next backward decides the scales again (a skipped step, the drift).
@@ -50,10 +50,23 @@ class GraphScales:
         self.drift = drift
         self.layer_backoff = LayerBackoff()
         self.layers: dict[str, LayerScale] = {}
-        self.first_non_finite: str | None = None
+        self._first_non_finite: str | None = None
+        self._unread_flags: FiniteFlags = []  # the last update's, read when first_non_finite is asked
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
+
+    @property
+    def first_non_finite(self) -> str | None:
+        """The first layer, in backward order, whose gradient was non-finite on its last update. The first time
+        it is asked after an update it reads that update's flags (one synchronisation): not in the backward."""
+        if self._unread_flags:
+            self._first_non_finite, self._unread_flags = first_non_finite(self._unread_flags), []
+        return self._first_non_finite
+
+    def keep_finite_flags(self, flags: FiniteFlags) -> None:
+        """An update's finiteness flags, for :attr:`first_non_finite`."""
+        self._first_non_finite, self._unread_flags = None, list(flags)
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has this structure."""
@@ -87,7 +100,7 @@ class GraphScales:
         graph.drift.load_state_dict(state.get("drift", {}))
         graph.layer_backoff.load_state_dict(state.get("layer_backoff", []))
         graph.layers = {layer["name"]: LayerScale.from_state_dict(layer) for layer in state.get("layers", [])}
-        graph.first_non_finite = state.get("first_non_finite")
+        graph._first_non_finite = state.get("first_non_finite")
         graph.backwards = int(state.get("backwards", 0))
         graph.last_skip = int(state.get("last_skip", 0))
         graph.force_update = bool(state.get("force_update", False))

@@ -135,19 +135,6 @@ class UpdateRun:
             self.layers.append(replace(layer, name=name))
         self.decisions.finite_flags += inner.decisions.finite_flags
 
-    def first_non_finite(self) -> str | None:
-        """The first layer, in backward order, whose incoming or weight gradient was non-finite."""
-        if not self.decisions.finite_flags:
-            return None
-        values = [v for _, flag in self.decisions.finite_flags for v in flag]
-        finite = torch.isfinite(torch.stack([v.float().to(values[0].device) for v in values])).tolist() if values else []
-        position = 0
-        for name, flag in self.decisions.finite_flags:  # a flag is finite iff all its values are
-            if not all(finite[position : position + len(flag)]):
-                return name
-            position += len(flag)
-        return None
-
     # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
     def _pre(self, i: int, grad_outputs: tuple) -> tuple:
         a = self.analysis

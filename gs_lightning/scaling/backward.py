@@ -336,8 +336,7 @@ class ScaledBackwards:
     def _finish_update(self, run: UpdateRun, scales: GraphScales) -> None:
         self.update_iterations += 1
         scales.plans[()] = run.plan()
-        scales.layers = {layer.name: layer for layer in run.layers}
-        scales.keep_finite_flags(run.decisions.finite_flags)
+        scales.keep_update(run.layers, run.decisions.finite_flags, run.decisions.unread_rates)
         scales.force_update = False
         self.backoff.updated(run, scales)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from gs_lightning.scaling.underflow import (
     branch_log2_scale,
     cast_min_log2_scale,
     cast_underflow_rate,
+    counted_rate,
     gemm_min_log2_scale,
     gemm_sigma,
     gemm_underflow_rate,
@@ -95,6 +97,35 @@ class LayerScale:
         return cls(**{**fields, "limit_index": index}, limit=limit)
 
 
+Rate = float | tuple[torch.Tensor, torch.Tensor]  # an underflow rate, or its counts on the device (ExactSample.underflow_count)
+
+
+@dataclass(frozen=True)
+class UnreadRates:
+    """A layer's underflow rates where some were counted on the device: read with the step's (one synchronisation).
+
+    ``underflow_rate`` is the largest of the modelled and the measured rates (``if_none`` without any);
+    ``measured_underflow`` the largest measured one (``None`` without any), or the same as
+    ``underflow_rate`` where ``measured_is_rate``.
+    """
+
+    index: int  # the layer's position in its run's layers
+    modelled: tuple[float, ...]
+    measured: tuple[Rate, ...]
+    if_none: float
+    measured_is_rate: bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The counts to read, in order."""
+        return [t for rate in self.measured if not isinstance(rate, float) for t in rate]
+
+    def applied_to(self, layer: LayerScale, values: Iterator[float]) -> LayerScale:
+        """``layer`` with its rates, ``values`` holding :meth:`tensors` as read."""
+        measured = [rate if isinstance(rate, float) else counted_rate(next(values), next(values)) for rate in self.measured]
+        rate = max([*self.modelled, *measured], default=self.if_none)
+        return replace(layer, underflow_rate=rate, measured_underflow=rate if self.measured_is_rate else max(measured, default=None))
+
+
 class NodeDecisions:
     """The scale of each decision point of one update run (module docstring).
 
@@ -108,6 +139,8 @@ class NodeDecisions:
         layers: What each decision chose, in backward order.
         finite_flags: (layer, values finite iff its gradient is), for :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
+        unread_rates: The layers whose underflow was counted on the device (scales below the one that meets γ'):
+            their rates in :attr:`layers` are NaN until :meth:`UnreadRates.applied_to` reads them in.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
@@ -115,6 +148,7 @@ class NodeDecisions:
         self.layers: list[LayerScale] = []
         self.finite_flags: FiniteFlags = []
         self.opaque_probes: dict[int, tuple[int, float]] = {}
+        self.unread_rates: list[UnreadRates] = []
 
     def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: int) -> int:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
@@ -208,11 +242,9 @@ class NodeDecisions:
         if limits.get(weight, math.inf) < wanted and min(limits.values()) == limits[weight]:
             limits[weight] = max(limits[weight], self._measured_weight_limit(i, grad))
         beta, limit = self.bounds.choose(i, alpha, lower, limits)
-        measured = [v.underflow_rate(beta, s.lambda_min) for v in samples]
-        rate = max([gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)] + measured, default=0.0)
-        self.layers.append(
-            LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, rate, max(measured) if measured else None, *limit)
-        )
+        modelled = [gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
+        measured = [v.underflow_count(beta, s.lambda_min) for v in samples]
+        self._add(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, math.nan, None, *limit), modelled, measured)
         return beta
 
     def _weight_samples(self, i: int, grad: torch.Tensor, elements: int | None = None) -> list[torch.Tensor]:
@@ -291,8 +323,8 @@ class NodeDecisions:
         for k, m in enumerate(sample_max):
             limits[Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None)] = overflow_max_log2_scale(m * gain, s.lambda_max)
         beta, limit = self.bounds.choose(i, alpha, lower, limits)
-        rate = max(v.underflow_rate(beta, s.lambda_min) for v in exact)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, rate, rate, *limit))
+        measured = [v.underflow_count(beta, s.lambda_min) for v in exact]
+        self._add(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, math.nan, None, *limit), [], measured, measured_is_rate=True)
         return beta
 
     def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: int) -> int:
@@ -328,9 +360,18 @@ class NodeDecisions:
         beta = beta if ceiling is None else min(beta, ceiling)
         for k, g in enumerate(out):
             out[k] = times_pow2(g, beta - probe) if g is not None and g.is_floating_point() else g
-        rate = max((ExactSample(g).underflow_rate(beta - probe, self.settings.lambda_min) for g in grads if g.numel()), default=math.nan)
-        self.layers.append(LayerScale(name, "opaque", beta, alpha_in + beta, rate, measured_underflow=rate))
+        measured = [ExactSample(g).underflow_count(beta - probe, self.settings.lambda_min) for g in grads if g.numel()]
+        self._add(LayerScale(name, "opaque", beta, alpha_in + beta, math.nan), [], measured, if_none=math.nan, measured_is_rate=True)
         return alpha_in + beta
+
+    def _add(self, layer: LayerScale, modelled: list[float], measured: list[Rate], if_none: float = 0.0, measured_is_rate: bool = False) -> None:
+        """Record ``layer`` with its underflow rates: now where every one was counted on the host, else once they are read."""
+        rates = UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate)
+        if rates.tensors():
+            self.layers.append(layer)
+            self.unread_rates.append(rates)
+        else:
+            self.layers.append(rates.applied_to(layer, iter(())))
 
     def non_finite(self, i: int, kind: str, alpha: int) -> int:
         """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""

@@ -74,15 +74,16 @@ def memory_order(t: torch.Tensor) -> torch.Tensor:
 FiniteFlags = list[tuple[str, tuple[torch.Tensor, ...]]]  # (layer, values all finite iff its gradient is)
 
 
-def first_non_finite(flags: FiniteFlags) -> str | None:
-    """The first layer of ``flags`` (in backward order) whose values are not all finite, in one synchronisation."""
-    values = [v for _, flag in flags for v in flag]
-    if not values:
-        return None
-    finite = torch.isfinite(torch.stack([v.float().to(values[0].device) for v in values])).tolist()
+def first_non_finite(flags: FiniteFlags, values: list[float]) -> str | None:
+    """The first layer of ``flags`` (in backward order) whose values, as read (``values``, in order), are not all finite."""
     position = 0
     for name, flag in flags:
-        if not all(finite[position : position + len(flag)]):
+        if not all(map(math.isfinite, values[position : position + len(flag)])):
             return name
         position += len(flag)
     return None
+
+
+def read(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of 0-dim ``tensors`` (any devices, any dtypes), in one synchronisation; fp64 keeps integer counts exact."""
+    return torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist() if tensors else []

@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gs_lightning.scaling.decide import LayerScale
+import torch
+
+from gs_lightning.scaling.decide import LayerScale, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
-from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite
+from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite, read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
 
@@ -36,7 +38,6 @@ class GraphScales:
         analyses: Their node classifications (rebuilt after a restore or :meth:`GradientScaler.attach`).
         drift: Its weight gradients' largest values, between updates and at them.
         layer_backoff: Caps on its nodes that overflowed.
-        layers: What its last update chose, layer by layer, in backward order.
         backwards: Backwards of this structure run so far: its update schedule counts these.
         last_skip: :attr:`backwards` at the last skipped step it took part in.
         force_update: Whether its next backward decides the scales again (a skipped step, the drift).
@@ -49,24 +50,55 @@ class GraphScales:
         self.analyses: dict[Path, GraphAnalysis] = {}
         self.drift = drift
         self.layer_backoff = LayerBackoff()
-        self.layers: dict[str, LayerScale] = {}
+        self._layers: dict[str, LayerScale] = {}
         self._first_non_finite: str | None = None
-        self._unread_flags: FiniteFlags = []  # the last update's, read when first_non_finite is asked
+        self._unread: tuple[list[LayerScale], FiniteFlags, list[UnreadRates]] | None = None  # the last update's, on the device
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
 
     @property
+    def layers(self) -> dict[str, LayerScale]:
+        """What its last update chose, layer by layer, in backward order (reads what that update left on the device,
+        if the step has not: one synchronisation)."""
+        self._read_update()
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: dict[str, LayerScale]) -> None:
+        self._layers, self._unread = layers, None
+
+    @property
     def first_non_finite(self) -> str | None:
-        """The first layer, in backward order, whose gradient was non-finite on its last update. The first time
-        it is asked after an update it reads that update's flags (one synchronisation): not in the backward."""
-        if self._unread_flags:
-            self._first_non_finite, self._unread_flags = first_non_finite(self._unread_flags), []
+        """The first layer, in backward order, whose gradient was non-finite on its last update (reads as :attr:`layers`)."""
+        self._read_update()
         return self._first_non_finite
 
-    def keep_finite_flags(self, flags: FiniteFlags) -> None:
-        """An update's finiteness flags, for :attr:`first_non_finite`."""
-        self._first_non_finite, self._unread_flags = None, list(flags)
+    def keep_update(self, layers: list[LayerScale], flags: FiniteFlags, rates: list[UnreadRates]) -> None:
+        """An update's layers, finiteness flags and underflow counts, to read with the step's (:meth:`unread`)."""
+        self._layers = {layer.name: layer for layer in layers}
+        self._first_non_finite, self._unread = None, (list(layers), list(flags), list(rates))
+
+    def unread(self) -> list[torch.Tensor]:
+        """What the last update left on the device, 0-dim each: its finiteness flags, then its underflow counts."""
+        if self._unread is None:
+            return []
+        _, flags, rates = self._unread
+        return [v for _, flag in flags for v in flag] + [t for r in rates for t in r.tensors()]
+
+    def take_reading(self, values: list[float]) -> None:
+        """:meth:`unread` as read (in order): the first non-finite layer and the layers' underflow rates."""
+        layers, flags, rates = self._unread
+        flagged = sum(len(flag) for _, flag in flags)
+        self._first_non_finite = first_non_finite(flags, values[:flagged])
+        counts = iter(values[flagged:])
+        for r in rates:
+            layers[r.index] = r.applied_to(layers[r.index], counts)
+        self.layers = {layer.name: layer for layer in layers}
+
+    def _read_update(self) -> None:
+        if self._unread is not None:
+            self.take_reading(read(self.unread()))
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has this structure."""

@@ -321,7 +321,12 @@ class GradientScaler:
 
     def layers(self) -> list[LayerScale]:
         """Everything the last update chose, layer by layer, in backward order (of each graph structure,
-        least recently run first, where several alternate; a layer in two keeps the later one's)."""
+        least recently run first, where several alternate; a layer in two keeps the later one's).
+
+        Synchronises once where an update's step has not read what it left on the device (its underflow
+        counts, its finiteness flags), as do :meth:`scales`, :meth:`underflow_rates`, :attr:`first_non_finite`
+        and :meth:`state_dict`; otherwise host values only.
+        """
         return list(self._layers().values())
 
     def _layers(self) -> dict[str, LayerScale]:

@@ -72,7 +72,12 @@ class StepRead:
         dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())  # queued first
         readings = [largest_magnitudes(dense)] if dense else []
         readings += unscale_and_check_(g for g in local if g.is_sparse)  # their values, coalesced where fp16 duplicates may overflow
+        updates = [t for graph in unread for t in graph.unread()]  # what the update left: read here, not in its backward
+        checked = sum(r.numel() for r in readings)
+        if updates:
+            readings.append(torch.stack([t.to(updates[0].device, torch.float64) for t in updates]))
         values = torch.cat([r.to(readings[0].device) for r in readings]).tolist() if readings else []  # one sync
+        values, updates_read = values[:checked], values[checked:]
         index = {id(t): k for k, t in enumerate(dense)}
         maxima = [values[index[id(t)]] for t in local if id(t) in index]
         non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
@@ -81,6 +86,11 @@ class StepRead:
         if not unread:
             return non_finite
         self._unread = []
+        for graph in unread:
+            count = len(graph.unread())
+            if count:
+                graph.take_reading(updates_read[:count])
+                updates_read = updates_read[count:]
         for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
             graph.drift.read([values[index[id(t)]] for t in tensors])
         recomputed = self.recompute_graph in unread and self._recompute_overflows(self.recompute_graph)

@@ -297,23 +297,25 @@ class ExactSample:
         return math.log2(lambda_min / threshold)
 
     def underflow_rate(self, log2_scale: int, lambda_min: float) -> float:
-        """:func:`sample_underflow_rate` of these values.
+        """:func:`sample_underflow_rate` of these values (reading what :meth:`underflow_count` counts on the device)."""
+        rate = self.underflow_count(log2_scale, lambda_min)
+        return rate if isinstance(rate, float) else counted_rate(*torch.stack(rate).tolist())
 
-        Counted on the host, without a pass over the values, where the smallest ones read by
-        :meth:`min_log2_scale` reach the threshold (a scale that meets γ' leaves fewer below it).
-        """
+    def underflow_count(self, log2_scale: int, lambda_min: float) -> float | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`underflow_rate`, counted on the host without a pass over the values where the smallest ones
+        read by :meth:`min_log2_scale` reach the threshold (a scale that meets γ' leaves fewer below it);
+        elsewhere the counts below it and nonzero, 0-dim tensors on the device, unread (:func:`counted_rate`)."""
         # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
         threshold = lambda_min * 2.0**-log2_scale
         compared = _float32(threshold)  # as the kernel compares the fp32 values with it
         if self._smallest and compared <= self._smallest[-1]:  # every value below it was read
-            below_count = sum(value < compared for value in self._smallest)
-            return below_count / self._count if self._count else 0.0
-        below = (self._positive < threshold).sum()
-        if self._count is None:
-            below_count, self._count = torch.stack([below, self.nonzero_count]).tolist()
-        else:
-            below_count = below.item()
-        return below_count / self._count if self._count else 0.0
+            return counted_rate(sum(value < compared for value in self._smallest), self._count or 0)
+        return (self._positive < threshold).sum(), self.nonzero_count
+
+
+def counted_rate(below: float, nonzero: float) -> float:
+    """The fraction of nonzero values below the threshold, from the two counts (0 where none is nonzero)."""
+    return below / nonzero if nonzero else 0.0
 
 
 def _float32(value: float) -> float:

@@ -125,7 +125,7 @@ class UpdateRun:
 
         A module run in several checkpointed blocks gets ``#2``, ``#3``... as in one graph.
         """
-        taken = {layer.name for layer in self.layers}
+        taken, offset = {layer.name for layer in self.layers}, len(self.layers)
         for layer in inner.layers:
             name, k = layer.name, 1
             while name in taken:
@@ -134,6 +134,7 @@ class UpdateRun:
             taken.add(name)
             self.layers.append(replace(layer, name=name))
         self.decisions.finite_flags += inner.decisions.finite_flags
+        self.decisions.unread_rates += [replace(rates, index=rates.index + offset) for rates in inner.decisions.unread_rates]
 
     # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
     def _pre(self, i: int, grad_outputs: tuple) -> tuple:

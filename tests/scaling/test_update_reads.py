@@ -1,0 +1,73 @@
+"""What an update iteration leaves on the device (finiteness flags, underflow counted at scales an overflow
+bound held down) is read with the step's one read, or when ``layers()`` asks: not in the backward."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from gs_lightning import GradientScaler
+
+
+@contextlib.contextmanager
+def counting_reads() -> Iterator[list[str]]:
+    """The names of the host reads (``item``, ``tolist``) made inside the block."""
+    calls: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
+
+    def counted(name: str):
+        def read(self, *args, **kwargs):
+            calls.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    for name in originals:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _held_down() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A layer whose incoming gradient spans 2^-40..2^10: its largest values keep its scale below the one that meets
+    γ' for its smallest, so the underflow at the chosen scale is counted over the whole sample, on the device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64))
+    x = torch.randn(32, 16)
+    weights = 2.0 ** torch.linspace(-40, 10, 32 * 64).reshape(32, 64)
+    return model, x, weights
+
+
+def _update(scaler: GradientScaler, model: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> None:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(x).float() * weights).sum()
+    scaler.backward(loss)
+
+
+def test_the_underflow_an_update_counted_on_the_device_is_read_with_the_step() -> None:
+    model, x, weights = _held_down()
+    stepped = GradientScaler(model)
+    _update(stepped, model, x, weights)
+    with counting_reads() as step_reads:
+        stepped.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    with counting_reads() as layer_reads:
+        layers = stepped.layers()
+    assert len(step_reads) == 1 and layer_reads == []  # the step's one read took them
+    held = [layer for layer in layers if layer.limit.is_overflow_bound and layer.measured_underflow is not None]
+    assert held and all(0.0 < layer.measured_underflow <= layer.underflow_rate <= 1.0 for layer in held)
+
+    model.zero_grad()
+    asked = GradientScaler(model)  # the same update, no step: layers() reads them, once
+    _update(asked, model, x, weights)
+    assert any(t.dtype == torch.int64 for t in asked.graphs[-1].unread())  # underflow counts, beside the float flags
+    with counting_reads() as layer_reads:
+        assert asked.layers() == layers and asked.first_non_finite is None
+    assert len(layer_reads) == 1
+    assert all(math.isfinite(layer.underflow_rate) for layer in layers if layer.kind == "gemm")

@@ -13,11 +13,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
+
+from gs_lightning.tasks.sharding import ShardedTask
 
 __all__ = ["ClassificationTask", "WarmupMultiStepLambda", "weight_decay_param_groups"]
 
@@ -67,7 +68,7 @@ def weight_decay_param_groups(model: nn.Module, weight_decay: float) -> list[dic
     ]
 
 
-class ClassificationTask(L.LightningModule):
+class ClassificationTask(ShardedTask):
     """Train and evaluate an image classifier (e.g. :func:`gs_lightning.models.resnet.build_resnet`).
 
     Batches are ``(images [N, 3, H, W] float, labels [N] int64)``. Logs ``train/loss``,

@@ -12,17 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 
 from gs_lightning.metrics.voc_map import VOC07MeanAveragePrecision
 from gs_lightning.models.multibox import MultiboxLoss
+from gs_lightning.tasks.sharding import ShardedTask
 
 __all__ = ["DetectionTask"]
 
 
-class DetectionTask(L.LightningModule):
+class DetectionTask(ShardedTask):
     """Train and evaluate an SSD detector (e.g. :func:`gs_lightning.models.ssd.build_ssd`).
 
     The model must return ``(cls_logits, bbox_regression)`` in training mode and per-image

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gs_lightning.metrics.segmentation import SegmentationMetrics
+from gs_lightning.tasks.sharding import ShardedTask
 
 __all__ = ["SegmentationTask"]
 
 
-class SegmentationTask(L.LightningModule):
+class SegmentationTask(ShardedTask):
     """Train and evaluate a per-pixel classifier with weighted cross-entropy.
 
     Batches are ``(images [N, 3, H, W], masks [N, H, W] int64)``; uint8 images are cast to the

@@ -192,27 +192,35 @@ class _LinearWithInfBiasGradient(nn.Linear):
         return nn.functional.linear(x, self.weight, bias)
 
 
-def _fsdp1_rank(rank: int, port: int, out: Path) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
+def _inf_rank(rank: int, port: int, out: Path, sharding: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _LinearWithInfBiasGradient(16, 4, rank))
-        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+        if sharding == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            model = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+        else:  # FSDP2: each Linear a unit, then the root; the gradients are DTensors, each rank holding its shard
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (net[0], net[2]):
+                fully_shard(layer)
+            model = fully_shard(net)
         scaler, optimizer = GradientScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(x).float().square().mean()
         scaler.backward(loss)
         scaler.step(optimizer)
-        torch.save(scaler.skipped_steps, out / f"fsdp1_{rank}.pt")
+        torch.save(scaler.skipped_steps, out / f"{sharding}_{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp1_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path: Path) -> None:
-    """FSDP1 reduce-scatters each gradient, so rank 0's inf in the last bias entry lands in one rank's shard
-    only: the flag is reduced across ranks (the other rank stepped its half of the model)."""
-    mp.spawn(_fsdp1_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
-    assert [torch.load(tmp_path / f"fsdp1_{r}.pt") for r in range(WORLD)] == [1, 1]
+@pytest.mark.parametrize("sharding", ["fsdp1", "fsdp2"])
+def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path: Path, sharding: str) -> None:
+    """FSDP reduce-scatters each gradient, so rank 0's inf in the last bias entry lands in one rank's shard
+    only: the flag is reduced across ranks (the other rank would have stepped its half of the model)."""
+    mp.spawn(_inf_rank, args=(_free_port(), tmp_path, sharding), nprocs=WORLD, join=True)
+    assert [torch.load(tmp_path / f"{sharding}_{r}.pt") for r in range(WORLD)] == [1, 1]

@@ -165,7 +165,7 @@ def train(
     """
     model = task.build(seed)
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
+    optimizer = task.make_optimizer(model)
     trainer = method.make(model)
     meter = meter if meter is not None else UnderflowMeter(oracle_format=method.grad_dtype or method.autocast)
     emulation = None
@@ -205,6 +205,68 @@ def train(
     return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None,
                seconds, losses, getattr(trainer, "update_iterations", None), statistics.fmean(oracle) if oracle else None,
                method.grads, method.label, method.grad_rounding if method.emulated else None)
+
+
+GRADIENT_HEADER = "Gradient magnitudes per layer"  # docs_results.py finds the printed table by it
+
+
+def gradient_magnitudes(task: Task, seed: int = 0) -> list[dict[str, Any]]:
+    """Per GEMM layer (Linear, convolution), log2 of the median and largest |g| of one fp32 backward.
+
+    Of the weight's gradient ∇W and of the gradient entering the layer's backward GEMMs ∇Y (the
+    layer above's ∇X, through its activation): the magnitudes a loss scale has to fit. One backward of
+    the task's loss on its first ``batch_size`` training examples from seed ``seed``'s initial weights;
+    medians over the nonzero entries (an exact zero cannot underflow).
+    """
+    model = task.build(seed)
+    model.train()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))}
+    incoming: dict[str, torch.Tensor] = {}
+
+    def keep_incoming(name: str) -> Callable[[nn.Module, Any, torch.Tensor], None]:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            output.register_hook(lambda grad: incoming.__setitem__(name, grad.detach()))
+        return hook
+
+    handles = [layer.register_forward_hook(keep_incoming(name)) for name, layer in layers.items()]
+    try:
+        images, targets = task.batch(torch.arange(task.batch_size))
+        task.loss(model, images, targets).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def log2_median_max(grad: torch.Tensor | None) -> tuple[float, float]:
+        magnitudes = grad.abs().flatten() if grad is not None else torch.zeros(0)
+        magnitudes = magnitudes[magnitudes > 0]
+        if magnitudes.numel() == 0:
+            return math.nan, math.nan
+        return math.log2(magnitudes.median().item()), math.log2(magnitudes.max().item())
+
+    rows = []
+    for name, layer in layers.items():
+        (w_median, w_max), (y_median, y_max) = log2_median_max(layer.weight.grad), log2_median_max(incoming.get(name))
+        rows.append({"layer": name, "∇W median": w_median, "∇W max": w_max, "∇Y median": y_median, "∇Y max": y_max})
+    return rows
+
+
+def gradient_table(task_name: str, rows: list[dict[str, Any]], seed: int = 0) -> str:
+    """:func:`gradient_magnitudes` (of seed ``seed``) as printed: a header line, a Markdown table, the spread in binades."""
+    lines = [f"{GRADIENT_HEADER} of `{task_name}` (log2 |g|, one fp32 backward at seed {seed}'s initialisation, "
+             "medians over nonzero entries):", "",
+             "| layer | ∇W median | ∇W max | ∇Y median | ∇Y max |", "|---|---|---|---|---|"]
+    lines += [f"| {r['layer']} | " + " | ".join(f"{r[k]:.1f}" for k in list(r)[1:]) + " |" for r in rows]
+
+    def extreme(pick: Callable[..., Any], stat: str) -> tuple[float, str] | None:
+        return pick(((r[k], f"{k.split()[0]} of layer {r['layer']}") for r in rows for k in (f"∇W {stat}", f"∇Y {stat}")
+                     if math.isfinite(r[k])), default=None)
+
+    largest, smallest = extreme(max, "max"), extreme(min, "median")
+    if largest is not None and smallest is not None:
+        lines += ["", f"Spread: the largest |g| is 2^{largest[0]:.1f} ({largest[1]}), the smallest median 2^{smallest[0]:.1f} "
+                  f"({smallest[1]}): {largest[0] - smallest[0]:.1f} binades. fp16 holds 2^-24 (its smallest subnormal) to "
+                  "2^16 (overflow): 40 binades."]
+    return "\n".join(lines)
 
 
 def _mean_std(values: list[float]) -> str:
@@ -319,6 +381,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 10)")
+    parser.add_argument("--gradient-magnitudes", action="store_true",
+                        help="first print each task's per-layer gradient magnitudes (one fp32 backward at initialisation)")
     add_run_arguments(parser, cache="gs_lightning_compare")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -332,6 +396,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
         parser.error(f"--seeds and --steps must be positive, got {seeds} and {steps}")
 
     tasks = [BUILDERS[name](args.cache, args.quick) for name in args.tasks]
+    if args.gradient_magnitudes:
+        for task in tasks:
+            print(gradient_table(task.name, gradient_magnitudes(task)) + "\n", flush=True)
     runs = []
     total = time.perf_counter()
     for task in tasks:

@@ -288,11 +288,26 @@ def training_section(run: Recorded) -> list[str]:
     rows = aggregate(run.data, methods)
     titled = [{_columns_named(row)[k]: v for k, v in row.items()} for row in rows]
     steps = {len(r["losses"]) for r in run.data}
-    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines()]
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *gradient_magnitudes(run)]
     lines += [f"{len(run.data)} runs of {', '.join(map(str, sorted(steps)))} steps. "
               "Metric and final train loss: mean ± std over the seeds; every other column: the mean over the seeds.", ""]
     lines += markdown_table(titled)
     return lines
+
+
+def gradient_magnitudes(run: Recorded) -> list[str]:
+    """The per-layer gradient magnitudes compare_training printed (``--gradient-magnitudes``), as printed."""
+    if run.script != "compare_training.py":
+        return []
+    sys.path.insert(0, str(ROOT / "bench"))
+    from compare_training import GRADIENT_HEADER
+
+    lines = run.output.splitlines()
+    blocks = []
+    for start in (i for i, line in enumerate(lines) if line.startswith(GRADIENT_HEADER)):
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("Spread:")), len(lines) - 1)
+        blocks += [*lines[start : end + 1], ""]
+    return blocks
 
 
 def training_plots(run: Recorded, folder: Path) -> list[Path]:
@@ -413,7 +428,11 @@ PAGES = (
     Page("training.md", "Training beside every baseline", ("compare_training.py", "ssd_finetune.py"),
          "Small versions of the paper's three experiments (task `segnet`: SegNet-basic on generated CamVid-format "
          "scenes; `resnet`: ResNet-8 on generated images; `ssd`: SSD300 on generated VOC-format boxes, from "
-         "scratch), trained under CPU emulation of fp16 "
+         "scratch) and a task built for the paper's premise, layers whose gradients lie far apart (`deep`: a plain "
+         "16-layer CNN, no normalisation or residuals, whose layers' weights are scaled by powers of two from 2^-9 "
+         "to 2^10, per-pixel classes of generated CamVid-format scenes, Adam with per-layer learning rates that "
+         "make its fp32 training the unscaled network's; the spread as wide as fp16's forward allows, see "
+         "`bench/_training_tasks.py`), trained under CPU emulation of fp16 "
          "(`gs_lightning.simulate.emulate`), each method from the same initial weights on the same batches. "
          "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
          "produces rounded to that fp8 format. *GEMM-gradient underflow*: of each gradient a backward GEMM "
@@ -485,7 +504,8 @@ def headline(runs: list[Recorded]) -> list[str]:
 
 
 PAGE_TITLES = {page.file: page.title for page in PAGES}
-TASK_TITLES = {"resnet": "ResNet-8", "segnet": "SegNet-basic", "ssd": "SSD300"}  # compare_training's tasks, as the page's intro names them
+# compare_training's tasks, as the page's intro names them
+TASK_TITLES = {"resnet": "ResNet-8", "segnet": "SegNet-basic", "ssd": "SSD300", "deep": "Plain CNN-16 with scaled layers"}
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -48,3 +49,42 @@ def test_quick_runs_every_method_and_reports_it(compare_training, tmp_path: Path
     assert table.count("| segnet |") == len(compare_training.METHODS) and "| resnet | e5m2 | GS |" in table
     assert "| per-tensor oracle |" in table and "| resnet | bf16 + e4m3fn ∇Y | MX blocks of 32 (MXFP8) |" in table
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["compare_training_resnet.png", "compare_training_segnet.png"]
+
+
+def test_deep_task_reports_its_gradient_spread_and_trains(compare_training, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    methods = ["fp32", "fp16-none", "fp16-dynamic", "fp16-gs"]
+    runs = compare_training.main(["--quick", "--steps", "2", "--cache", str(tmp_path / "data"), "--tasks", "deep",
+                                  "--gradient-magnitudes", "--methods", *methods])
+    assert [r.method for r in runs] == methods
+    assert all(math.isfinite(r.metric) and r.metric_name == "mIoU" for r in runs)
+    printed = capsys.readouterr().out
+    assert f"{compare_training.GRADIENT_HEADER} of `deep`" in printed and "binades" in printed
+
+    rows = compare_training.gradient_magnitudes(compare_training.BUILDERS["deep"](tmp_path / "data", True))
+    assert len(rows) == 16  # one per convolution
+    # The bottom layers' incoming gradients sit far below the scaled-down layers' weight gradients:
+    # the spread the task is built for (29.5 binades on the full dataset's first batch).
+    largest = max(max(r["∇W max"], r["∇Y max"]) for r in rows)
+    assert largest - rows[0]["∇Y median"] > 25
+
+
+def test_deep_task_trains_as_the_unscaled_network_in_fp32(bench_module, tmp_path: Path) -> None:
+    """The power-of-two layer scales and layer_scaled_adam change the magnitudes, not the fp32 training."""
+    tasks = bench_module("_training_tasks")
+    task = tasks.deep_task(tmp_path / "data", True)
+    gains = tasks.DEEP_LOG2_GAINS
+    scaled = task.build(0)
+    torch.manual_seed(0)
+    unscaled = tasks.plain_cnn(len(tasks.CAMVID_CLASSES), log2_gains=(0,) * len(gains))
+    input_scale = 2.0 ** sum(gains)  # what the scaled network's product of gains does to its input
+    optimizers = task.make_optimizer(scaled), torch.optim.Adam(unscaled.parameters(), lr=task.lr, eps=1e-8)
+    for step in range(3):
+        images, labels = task.batch(torch.arange(step * task.batch_size, (step + 1) * task.batch_size) % len(task.train[0]))
+        losses = task.loss(scaled, images, labels), task.loss(unscaled, images * input_scale, labels)
+        assert torch.equal(*losses)
+        for optimizer, loss in zip(optimizers, losses):
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    convs = [(a, b) for a, b in zip(scaled, unscaled) if isinstance(a, torch.nn.Conv2d)]
+    assert all(torch.equal(a.weight, b.weight * 2.0**k) for (a, b), k in zip(convs, gains, strict=True))

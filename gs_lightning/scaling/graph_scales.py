@@ -52,7 +52,7 @@ class GraphScales:
         self.layer_backoff = LayerBackoff()
         self._layers: dict[str, LayerScale] = {}
         self._first_non_finite: str | None = None
-        self._unread: tuple[list[LayerScale], FiniteFlags, list[UnreadRates]] | None = None  # the last update's, on the device
+        self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
@@ -77,18 +77,18 @@ class GraphScales:
     def keep_update(self, layers: list[LayerScale], flags: FiniteFlags, rates: list[UnreadRates]) -> None:
         """An update's layers, finiteness flags and underflow counts, to read with the step's (:meth:`unread`)."""
         self._layers = {layer.name: layer for layer in layers}
-        self._first_non_finite, self._unread = None, (list(layers), list(flags), list(rates))
+        self._first_non_finite, self._unread = None, (list(flags), list(rates))
 
     def unread(self) -> list[torch.Tensor]:
         """What the last update left on the device, 0-dim each: its finiteness flags, then its underflow counts."""
         if self._unread is None:
             return []
-        _, flags, rates = self._unread
+        flags, rates = self._unread
         return [v for _, flag in flags for v in flag] + [t for r in rates for t in r.tensors()]
 
     def take_reading(self, values: list[float]) -> None:
         """:meth:`unread` as read (in order): the first non-finite layer and the layers' underflow rates."""
-        layers, flags, rates = self._unread
+        (flags, rates), layers = self._unread, list(self._layers.values())
         flagged = sum(len(flag) for _, flag in flags)
         self._first_non_finite = first_non_finite(flags, values[:flagged])
         counts = iter(values[flagged:])

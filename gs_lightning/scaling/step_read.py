@@ -72,7 +72,8 @@ class StepRead:
         dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())  # queued first
         readings = [largest_magnitudes(dense)] if dense else []
         readings += unscale_and_check_(g for g in local if g.is_sparse)  # their values, coalesced where fp16 duplicates may overflow
-        updates = [t for graph in unread for t in graph.unread()]  # what the update left: read here, not in its backward
+        left = [graph.unread() for graph in unread]  # what the updates left on the device: read here, not in their backwards
+        updates = [t for tensors in left for t in tensors]
         checked = sum(r.numel() for r in readings)
         if updates:
             readings.append(torch.stack([t.to(updates[0].device, torch.float64) for t in updates]))
@@ -86,11 +87,10 @@ class StepRead:
         if not unread:
             return non_finite
         self._unread = []
-        for graph in unread:
-            count = len(graph.unread())
-            if count:
-                graph.take_reading(updates_read[:count])
-                updates_read = updates_read[count:]
+        for graph, tensors in zip(unread, left):
+            if tensors:
+                graph.take_reading(updates_read[: len(tensors)])
+                updates_read = updates_read[len(tensors) :]
         for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
             graph.drift.read([values[index[id(t)]] for t in tensors])
         recomputed = self.recompute_graph in unread and self._recompute_overflows(self.recompute_graph)

@@ -68,7 +68,8 @@ def probe(
     if compute is None or grad is None:
         return None
     with torch.no_grad(), _fp32(grad.device):
-        return _at_most(compute(node, detached(grad).float(), edge, operand, elements), elements)
+        # Each probe converts to fp32 what it slices, not the whole gradient (two or three probes per node).
+        return _at_most(compute(node, detached(grad), edge, operand, elements), elements)
 
 
 def _at_most(values: torch.Tensor | None, elements: int) -> torch.Tensor | None:
@@ -149,6 +150,10 @@ def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else detached(tensor).float()
 
 
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else detached(tensor)
+
+
 def detached(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` cut from autograd; without the ``detach`` kernel where nothing needs it: a gradient in a
     backward hook does not require grad (only parameters do), and with grad mode off (in a probe, in a
@@ -160,7 +165,7 @@ def detached(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: int) -> torch.Tensor:
-    """A slice of ∇A = α ∇Y Bᵀ for Y = A B (leading batch dimensions allowed)."""
+    """A slice of ∇A = α ∇Y Bᵀ for Y = A B (leading batch dimensions allowed), in fp32 whatever the inputs' dtypes."""
     grad, right = grad.reshape(-1, *grad.shape[-2:]), right.reshape(-1, *right.shape[-2:])
     batch, rows, cols = grad.shape[0], grad.shape[1], right.shape[1]
     (b, r), c = _sample_counts((batch, rows), cols, elements)
@@ -169,26 +174,26 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
     if (b, r) == (batch, rows):
         # Every row: the node's own product (no slicing kernels, no gather of a weight's columns, which
         # took 0.3 s per group for VGG's 25088x4096 classifier), then each group's columns of it.
-        full = grad @ right.transpose(-1, -2)
+        full = grad.float() @ right.float().transpose(-1, -2)
         if c == cols:
             return _times(alpha, full)
         blocks = [_take(full[:, ri[t::shifts]], 2, _spread(cols, c, grad.device, t, shifts)) for t in range(shifts)]
     else:
         grad, right = _take(grad, 0, bi), _take(right, 0, bi)  # no copy of a whole weight (its batch axis has size 1)
         blocks = [
-            grad[:, ri[t::shifts]] @ right[:, _spread(cols, c, grad.device, t, shifts)].transpose(-1, -2)
+            grad[:, ri[t::shifts]].float() @ right[:, _spread(cols, c, grad.device, t, shifts)].float().transpose(-1, -2)
             for t in range(shifts)
         ]
     return _times(alpha, blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks]))
 
 
 def _right_grad(grad: torch.Tensor, left: torch.Tensor, alpha: float, elements: int) -> torch.Tensor:
-    """A slice of ∇B = α Aᵀ ∇Y for Y = A B (leading batch dimensions allowed)."""
+    """A slice of ∇B = α Aᵀ ∇Y for Y = A B (leading batch dimensions allowed), in fp32 whatever the inputs' dtypes."""
     grad, left = grad.reshape(-1, *grad.shape[-2:]), left.reshape(-1, *left.shape[-2:])
     batch, rows, cols = grad.shape[0], left.shape[2], grad.shape[2]
     b, r, c = _counts((batch, rows, cols), elements)
     bi, ri, ci = _spread(batch, b, grad.device), _spread(rows, r, grad.device), _spread(cols, c, grad.device)
-    return _times(alpha, _take(left, 0, bi)[:, :, ri].transpose(-1, -2) @ _take(grad, 0, bi)[:, :, ci])
+    return _times(alpha, _take(left, 0, bi)[:, :, ri].float().transpose(-1, -2) @ _take(grad, 0, bi)[:, :, ci].float())
 
 
 def _times(alpha: float, values: torch.Tensor) -> torch.Tensor:
@@ -202,10 +207,10 @@ def _matmul_probe(left_edge: int, right_edge: int, left: str, right: str) -> Cal
     def compute(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int) -> torch.Tensor | None:
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if edge == left_edge:
-            other = _float(operand if operand is not None else saved_tensor(node, right))
+            other = _detached(operand if operand is not None else saved_tensor(node, right))
             return None if other is None else _left_grad(grad, other, alpha, elements)
         if edge == right_edge:
-            other = _float(operand if operand is not None else saved_tensor(node, left))
+            other = _detached(operand if operand is not None else saved_tensor(node, left))
             return None if other is None else _right_grad(grad, other, alpha, elements)
         return None
 
@@ -252,7 +257,7 @@ def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.
         dim = 1 if transposed else 0
         index = _spread(weight.shape[dim], max(1, elements * weight.shape[dim] // weight.numel()), grad.device)
         grad, weight = _take(grad, 1, index), _take(weight, dim, index)
-    return torch.ops.aten.convolution_backward(grad, inputs, weight, None, *args, groups, [False, True, False])[1]
+    return torch.ops.aten.convolution_backward(grad.float(), inputs, weight, None, *args, groups, [False, True, False])[1]
 
 
 def _convolution_input(
@@ -274,8 +279,8 @@ def _convolution_input(
     g, c = _counts((groups, per_group), pairs)
     stride, padding, dilation, output_padding = node._saved_stride, node._saved_padding, node._saved_dilation, node._saved_output_padding
     if (b, g, c) == (batch, groups, per_group):  # all of ∇X: the node's own product, without index or view kernels
+        grad = grad.float().contiguous()  # as the copy an index kernel makes
         inputs = grad.new_empty(shape)  # only its shape is read
-        grad = grad.contiguous()  # as the copy an index kernel makes
         return torch.ops.aten.convolution_backward(
             grad, inputs, weight, None, stride, padding, dilation, transposed, output_padding, groups, [True, False, False]
         )[0]
@@ -292,7 +297,7 @@ def _convolution_input(
             chosen = _take(chosen, 1, ci).reshape(g * c, -1, *kernel)
         else:  # (g, C_out/g, C_in/g, k)
             chosen = _take(chosen, 2, ci).reshape(-1, c, *kernel)
-        grad_t = _take(grad[t::shifts], 1, gi).flatten(1, 2)
+        grad_t = _take(grad[t::shifts], 1, gi).flatten(1, 2).float()
         grad_input, _, _ = torch.ops.aten.convolution_backward(
             grad_t,
             grad_t.new_empty((grad_t.shape[0], g * c, *spatial)),  # only its shape is read
@@ -317,12 +322,13 @@ def _deform_convolution(
     saved = [saved_function_tensor(node, k) for k in range(5)]  # input, weight, offset, mask, bias
     if edge != 0 or any(t is None for t in saved):
         return None
-    inputs, weight, offset, mask, bias = (_float(t) for t in saved)
-    weight = _float(operand) if operand is not None else weight
+    inputs, weight, offset, mask, bias = (_detached(t) for t in saved)
+    weight = _float(operand if operand is not None else weight)
     (b,) = _counts((inputs.shape[0],), max(1, elements // max(1, inputs[0].numel())))
     bi = _spread(inputs.shape[0], b, grad.device)
+    inputs, offset, mask, grad = (t[bi].float() for t in (inputs, offset, mask, grad))
     grad_input, *_ = torch.ops.torchvision._deform_conv2d_backward(
-        grad[bi], inputs[bi], weight, offset[bi], mask[bi], bias,
+        grad, inputs, weight, offset, mask, bias.float(),
         node.stride_h, node.stride_w, node.pad_h, node.pad_w, node.dilation_h, node.dilation_w,
         node.groups, node.offset_groups, node.use_mask,
     )  # fmt: skip
@@ -351,7 +357,7 @@ def _attention(
     if edge not in (0, 1, 2):
         return None
     dropout = float(getattr(node, "_saved_dropout_p", 0.0))
-    query, key, value = (_float(saved_tensor(node, name)) for name in ("query", "key", "value"))
+    query, key, value = (_detached(saved_tensor(node, name)) for name in ("query", "key", "value"))
     if query is None or key is None or value is None or query.dim() < 3:
         return None
     mask = None
@@ -377,8 +383,8 @@ def _attention(
         query_heads = (_spread(kv_heads, h, device)[:, None] * group + torch.arange(group, device=device)).reshape(-1)
         query_rows = torch.arange(length, device=device)
     bi = _spread(batch, b, device)
-    q, do = query[bi][:, query_heads], grad[bi][:, query_heads]
-    k, v = key[bi][:, query_heads // group], value[bi][:, query_heads // group]
+    q, do = query[bi][:, query_heads].float(), grad[bi][:, query_heads].float()
+    k, v = key[bi][:, query_heads // group].float(), value[bi][:, query_heads // group].float()
     generator = torch.Generator(device=device).manual_seed(0) if dropout > 0.0 else None
     # Query rows in chunks, so that the score matrices stay under _SCORES_LIMIT elements.
     chunk = max(1, _SCORES_LIMIT // (q.shape[0] * q.shape[1] * kv_length))

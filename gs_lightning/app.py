@@ -182,6 +182,7 @@ def build(cfg: DictConfig) -> Run:
     Raises:
         AppError: a config value out of range, an unknown key, a missing file or package.
     """
+    _check_mesh(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = _instantiate(cfg.data)
     _check_data_root(datamodule, cfg)
@@ -194,6 +195,22 @@ def build(cfg: DictConfig) -> Run:
             callback.run_name = _run_label(Path(cfg.paths.output_dir))
     trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision, cfg.trainer.get("strategy")))
     return Run(trainer, task, datamodule)
+
+
+def _check_mesh(cfg: DictConfig) -> None:
+    """Refuse a tensor-parallel mesh before any process starts (each rank's task would raise it as a traceback).
+
+    The tasks shard their networks over data-parallel ranks only (:class:`~gs_lightning.tasks.sharding.ShardedTask`).
+    """
+    strategy = cfg.trainer.get("strategy")
+    if not isinstance(strategy, DictConfig) or not str(strategy.get("_target_", "")).endswith(".ModelParallelStrategy"):
+        return
+    size = strategy.get("tensor_parallel_size", "auto")
+    if size != 1:
+        raise AppError(
+            f"trainer.strategy.tensor_parallel_size={size}: the tasks shard their networks over data-parallel ranks only "
+            "(FSDP2, no tensor parallelism); expected 1, with trainer.strategy.data_parallel_size=<devices x nodes>"
+        )
 
 
 def run(cfg: DictConfig) -> dict[str, float]:

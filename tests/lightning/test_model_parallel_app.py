@@ -24,7 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
-from gs_lightning.app import build, register_recipes
+from gs_lightning.app import build, register_recipes, run
 from gs_lightning.models import SegNetBasic
 from gs_lightning.models.resnet import build_resnet
 from gs_lightning.models.ssd import build_ssd
@@ -171,3 +171,13 @@ def test_a_tensor_parallel_mesh_is_refused_with_the_settings_to_change() -> None
     _attach(task, ModelParallelStrategy(), mesh)
     with pytest.raises(ValueError, match="data_parallel=1 x tensor_parallel=2; set trainer.strategy.data_parallel_size"):
         task.configure_model()
+
+
+def test_the_app_refuses_a_tensor_parallel_mesh_in_one_line_before_starting_ranks(tmp_path: Path) -> None:
+    overrides = ["recipe=demo", f"paths.cache_dir={tmp_path / 'cache'}", f"paths.output_dir={tmp_path / 'run'}", "trainer=model_parallel",
+                 "trainer.accelerator=cpu", "trainer.strategy.tensor_parallel_size=2"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*overrides, *DEMO])
+    with pytest.raises(SystemExit, match=r"^error: trainer.strategy.tensor_parallel_size=2: .*expected 1, with trainer.strategy.data_parallel_size"):
+        run(cfg)
+    assert not (tmp_path / "cache").exists()  # refused before the data was generated

@@ -25,6 +25,7 @@ and wall time per run; it plots the training-loss curves (mean over seeds) per t
 
     python bench/compare_training.py --quick            # every method, tiny, < 3 min
     python bench/compare_training.py --tasks segnet --json segnet.json   # one task's runs
+    python bench/compare_training.py --tasks deep --methods e5m2-gs --seeds 1 --underflow-by-tensor 3   # which tensors underflow
     python bench/compare_training.py --report segnet.json resnet.json ssd.json --plots docs
 """
 
@@ -36,6 +37,7 @@ import math
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -205,6 +207,43 @@ def train(
     return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None,
                seconds, losses, getattr(trainer, "update_iterations", None), statistics.fmean(oracle) if oracle else None,
                method.grads, method.label, method.grad_rounding if method.emulated else None)
+
+
+class TensorUnderflowMeter(UnderflowMeter):
+    """An :class:`UnderflowMeter` that also keeps each cast tensor's underflow, averaged over the steps measured.
+
+    A backward casts the same tensors in the same order at every step: a tensor is its place in that
+    order. It is named ``∇W`` where its shape is a parameter's (``parameter_shapes``), else ``∇X`` (the
+    gradient a GEMM produces) or, where the emulation casts what enters each GEMM, ``∇Y``.
+    """
+
+    def __init__(self, oracle_format: torch.dtype | None, parameter_shapes: set[tuple[int, ...]], grad_rounding: str = "output") -> None:
+        super().__init__(oracle_format=oracle_format)
+        self.parameter_shapes, self.grad_rounding = parameter_shapes, grad_rounding
+        self._shapes: list[tuple[int, ...]] = []
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self.totals: dict[int, list[float]] = defaultdict(list)  # place -> its underflow at each step measured
+
+    def add(self, exact: torch.Tensor, rounded: torch.Tensor) -> None:
+        super().add(exact, rounded)
+        self._shapes.append(tuple(exact.shape))
+
+    def collect_with_oracle(self) -> tuple[list[float], list[float]]:
+        shapes, self._shapes = self._shapes, []
+        fractions, oracle = super().collect_with_oracle()
+        for place, (fraction, shape) in enumerate(zip(fractions, shapes)):
+            self.shapes[place] = shape
+            self.totals[place].append(fraction)
+        return fractions, oracle
+
+    def worst(self, count: int) -> str:
+        """The ``count`` tensors that underflowed most, on average: ``#place kind shape percent``, most first."""
+        means = {place: statistics.fmean(values) for place, values in self.totals.items()}
+        entering = "∇Y" if self.grad_rounding == "entering" else "∇X"
+        return "; ".join(
+            f"#{place} {'∇W' if self.shapes[place] in self.parameter_shapes else entering} {tuple(self.shapes[place])} {100 * mean:.2f}%"
+            for place, mean in sorted(means.items(), key=lambda item: -item[1])[:count]
+        )
 
 
 GRADIENT_HEADER = "Gradient magnitudes per layer"  # docs_results.py finds the printed table by it
@@ -381,6 +420,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 10)")
+    parser.add_argument("--underflow-by-tensor", type=int, default=0, metavar="N",
+                        help="after each emulated run, print the N tensors whose underflow was highest (mean over the steps measured)")
     parser.add_argument("--gradient-magnitudes", action="store_true",
                         help="first print each task's per-layer gradient magnitudes (one fp32 backward at initialisation)")
     add_run_arguments(parser, cache="gs_lightning_compare")
@@ -404,13 +445,19 @@ def main(argv: list[str] | None = None) -> list[Run]:
     for task in tasks:
         for seed in range(seeds):  # seed-major: an interrupted table still has every method
             for method in methods:
-                run = train(task, method, seed, steps, args.underflow_every)
+                meter = None
+                if args.underflow_by_tensor and method.emulated:
+                    shapes = {tuple(p.shape) for p in task.build(seed).parameters()}
+                    meter = TensorUnderflowMeter(method.grad_dtype or method.autocast, shapes, method.grad_rounding)
+                run = train(task, method, seed, steps, args.underflow_every, meter=meter)
                 runs.append(run)
                 print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
                       f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}"
                       f" (oracle {run.oracle_underflow if run.oracle_underflow is not None else float('nan'):.4f}), "
                       f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
                       f"{run.seconds:.1f} s", flush=True)
+                if meter is not None:
+                    print(f"  most underflow (place in the backward's casts, mean over steps): {meter.worst(args.underflow_by_tensor)}", flush=True)
                 if args.json is not None:  # after every run, so that an interrupted table keeps what it has
                     args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")

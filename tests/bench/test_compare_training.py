@@ -88,3 +88,18 @@ def test_deep_task_trains_as_the_unscaled_network_in_fp32(bench_module, tmp_path
             optimizer.step()
     convs = [(a, b) for a, b in zip(scaled, unscaled) if isinstance(a, torch.nn.Conv2d)]
     assert all(torch.equal(a.weight, b.weight * 2.0**k) for (a, b), k in zip(convs, gains, strict=True))
+
+
+def test_underflow_by_tensor_names_the_tensors_that_underflowed_most(compare_training) -> None:
+    meter = compare_training.TensorUnderflowMeter(torch.float16, {(2, 3)})
+    activation, weight = torch.ones(4), torch.ones(2, 3)
+    half_lost = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    for rounded_activation, rounded_weight in ((activation, torch.zeros(2, 3)), (half_lost, weight)):  # two steps
+        meter.add(activation, rounded_activation)
+        meter.add(weight, rounded_weight)
+        meter.collect_with_oracle()
+    assert meter.worst(2) == "#1 ∇W (2, 3) 50.00%; #0 ∇X (4,) 25.00%"
+    entering = compare_training.TensorUnderflowMeter(None, set(), grad_rounding="entering")
+    entering.add(activation, half_lost)
+    entering.collect_with_oracle()
+    assert entering.worst(5) == "#0 ∇Y (4,) 50.00%"

@@ -387,7 +387,8 @@ def plot(runs: list[Run], folder: Path) -> list[Path]:
             ax.set_title(f"{task}: {title}")
             ax.set_xlabel("step")
             ax.set_yscale("log")
-            ax.legend(fontsize=7)
+            if ax.lines:  # a run may leave a panel empty (no method in its gradient formats)
+                ax.legend(fontsize=7)
         axes[0].set_ylabel("training loss (mean over seeds)")
         fig.tight_layout()
         path = folder / f"compare_training_{task}.png"

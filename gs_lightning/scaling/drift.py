@@ -13,7 +13,7 @@ the loop unscales before it clips, as GradScaler loops, Lightning, Accelerate an
   group's largest value is judged by the larger of this batch's and the group's level (the median
   of its last :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.level_steps` steps), as the update's reference is by the smaller; a fall that
   lasts asks for an update within about half that many steps (ResNet-8: 43-53 updates in 200 steps
-  became 21-30, README "How it works"). A weight gradient that is all
+  became 21-30). A weight gradient that is all
   zeros at an update gives its layers nothing to decide on; such gradients are common at
   initialisation (a residual branch behind a zero-initialised BatchNorm weight, LoRA's zero B) and
   turn nonzero with the first step: an update that meets a newly all-zero weight gradient asks for
@@ -24,7 +24,7 @@ the loop unscales before it clips, as GradScaler loops, Lightning, Accelerate an
   (:func:`within_margin`) it asks for an update on the next backward, which expects that batch too;
   elsewhere the value is expected from then on, and no update runs for it. Without the first the
   record waited for the next update, and on ResNet-8 (seed 0) a batch 2^1 larger came first and
-  was skipped; without the second SegNet updated on 45-54 of 200 steps, 4-9 with it (README "How it works").
+  was skipped; without the second SegNet updated on 45-54 of 200 steps, 4-9 with it.
 * **Expected maxima.** An update decides from one batch, but a weight gradient's largest value
   varies far more from batch to batch than the small values the underflow target is about (on a
   converged task whose gradient comes from a few hard examples, by 2^5-2^10 within 100 steps).
@@ -201,7 +201,7 @@ class GradientDrift:
 
         A group's largest value varies from batch to batch by more than a binade; against an update made
         on a batch above its level, ordinary batches read as drift (ResNet-8, fp16: 44 of 63 updates in
-        200 steps; README "How it works").
+        200 steps).
         """
         level = self._level(leaves, largest)
         return min(largest, level) if level > 0.0 else largest
@@ -228,7 +228,7 @@ class GradientDrift:
     def _current(self, leaves: tuple[int, ...], largest: float) -> float:
         """What a scale group's largest gradient of this step is compared with its reference as: the larger of
         it and the group's level, so that one batch below the level is not drift (ResNet-8, fp16: 43-50
-        updates in 200 steps, 21-27 so; README "How it works"). All zeros or non-finite, as it is."""
+        updates in 200 steps, 21-27 so). All zeros or non-finite, as it is."""
         if not math.isfinite(largest) or largest <= 0.0:
             return largest
         return max(largest, self._level(leaves, largest))

@@ -101,7 +101,7 @@ def saved_function_tensor(node: Node, index: int) -> torch.Tensor | None:
 # Batch normalisation's backward, dX = γ·invstd·(dY less its projection on 1 and x̂) per channel,
 # can make a gradient larger than it came in, by up to max_c |γ_c|·invstd_c (in L2; 3.85x in
 # max on ResNet-8's stem, where that gain is 4): scales bounded against λmax before it overflowed
-# after it (README "How it works"). cuDNN and MIOpen save the inverse std as result2 too.
+# after it. cuDNN and MIOpen save the inverse std as result2 too.
 BATCH_NORM_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
 
 
@@ -259,7 +259,7 @@ def _channel_norm_max(t: torch.Tensor) -> torch.Tensor:
     """The largest L2 norm (fp32) of one channel's values, channels on dim 1.
 
     Reduced the way the values lie: each sample's positions first, then the samples. One norm over
-    every dim but the channel's measured 3-9x slower on a CPU at batch 8-64 (README "How it works").
+    every dim but the channel's measured 3-9x slower on a CPU at batch 8-64.
     """
     if t.dim() > 2:
         per_sample = torch.linalg.vector_norm(t.flatten(2), dim=2, dtype=torch.float32)

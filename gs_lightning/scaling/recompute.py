@@ -1,7 +1,7 @@
 """Between updates: a weight gradient that overflowed is recomputed in fp32 instead of skipping the step.
 
 A GEMM's weight gradient sums over the whole batch and every position; on a converged task its
-largest value jumps by 2^5-2^10 on the batches with a few hard examples (README "How it works").
+largest value jumps by 2^5-2^10 on the batches with a few hard examples.
 A scale kept below those spikes costs what the GEMM sends on, which carries the same scale: its
 small values underflow (ResNet-8 with e5m2 gradients lost 0.10-0.13% of its GEMM gradients that
 way). So the replays keep, for every GEMM whose parameter gradients can be recomputed, the incoming

@@ -148,7 +148,7 @@ class GradientScaler:
     def update_iterations(self) -> int:
         """Backward passes that decided scales (the first, every ``update_interval``-th, and those the drift,
         a skipped step or a new graph structure asked for); the others replayed them. What an update
-        costs against a plain backward: README "Overhead on the backward pass"."""
+        costs against a plain backward: the documentation's results, "Overhead on the backward pass"."""
         return self._backwards.update_iterations
 
     @property
@@ -222,7 +222,12 @@ class GradientScaler:
         return outputs if len(tensors) == 1 else _unflatten(outputs, iter(joined))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
-        """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``."""
+        """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``.
+
+        Between updates the backward does not synchronise with the device. On an update iteration it
+        synchronises once per decision point (GEMM, cast, fused kernel, opaque region, merge of
+        gradients at different scales), each reading its statistics (:attr:`update_iterations` counts those iterations).
+        """
         try:
             self.scale(loss).backward(retain_graph=retain_graph)
         except BaseException:

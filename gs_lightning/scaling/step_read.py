@@ -106,7 +106,7 @@ class StepRead:
         from now on, without an update. Whether it did.
 
         The update such a rise asked for before would not lower those layers on its account: SegNet's
-        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected (README "How it works").
+        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected.
         """
         reading = graph.drift.last
         plan, analysis = graph.plans.get(()), graph.analyses.get(())

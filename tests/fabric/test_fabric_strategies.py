@@ -65,6 +65,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     results["median"] = reference[0].weight.grad.abs().median().item()
     if rank == 0:
         torch.save(results, Path(out_dir) / "results.pt")
+    dist.barrier()  # neither rank tears gloo down while the other still uses it (a rank aborted in CI once)
     dist.destroy_process_group()
 
 

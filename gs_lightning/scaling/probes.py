@@ -146,12 +146,13 @@ def _shifts(samples: int, columns: int, count: int) -> int:
     return max(1, min(samples, math.ceil(columns / count)))
 
 
-def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else detached(tensor).float()
-
-
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else detached(tensor)
+
+
+def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    detached_ = _detached(tensor)
+    return None if detached_ is None else detached_.float()
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.gains import gains_after, kept_downstream, node_gains
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
 from gs_lightning.scaling.limits import Bound, Limit
-from gs_lightning.scaling.plan import LeafTargets
+from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
 from gs_lightning.scaling.underflow import choose_log2_scale, overflow_max_log2_scale
@@ -155,9 +157,11 @@ class ScaleBounds:
         caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self.kept_downstream.get(i)) if c is not None]
         return min(caps) if caps else None
 
-    def capped(self, exponent: int, i: int) -> int:
+    def capped(self, exponent: Exponent, i: int) -> Exponent:
         cap = self.total_cap(i)
-        return exponent if cap is None else min(exponent, cap)
+        if cap is None:
+            return exponent
+        return exponent.clamp(max=cap) if isinstance(exponent, torch.Tensor) else min(exponent, cap)
 
     def ceiling(self, i: int, alpha: int) -> int | None:
         total = self.total_cap(i)

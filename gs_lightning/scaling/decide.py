@@ -23,16 +23,17 @@ from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.gradient_stats import (
     Extremes,
     FiniteFlags,
+    OrderStatistics,
     extremes,
     magnitude,
     magnitudes,
+    read,
     rms,
-    stats,
     stats_and_samples,
 )
 from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.limits import Bound, Limit, describe, parse
-from gs_lightning.scaling.plan import times_pow2
+from gs_lightning.scaling.plan import Exponent, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
 from gs_lightning.scaling.underflow import (
     ExactSample,
@@ -141,6 +142,7 @@ class NodeDecisions:
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
         unread_rates: The layers whose underflow was counted on the device (scales below the one that meets γ'):
             their rates in :attr:`layers` are NaN until :meth:`UnreadRates.applied_to` reads them in.
+        read_exponents: Exponents :meth:`common` left on the device -> their values, as the decisions below read them.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
@@ -149,8 +151,9 @@ class NodeDecisions:
         self.finite_flags: FiniteFlags = []
         self.opaque_probes: dict[int, tuple[int, float]] = {}
         self.unread_rates: list[UnreadRates] = []
+        self.read_exponents: dict[torch.Tensor, int] = {}  # exponents merges left on the device, as decisions read them
 
-    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: int) -> int:
+    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
         the present ones) carries the accumulated scale ``alpha``; recorded in :attr:`layers`."""
         if i in self.analysis.gemms:
@@ -159,13 +162,14 @@ class NodeDecisions:
             return self.fused_scale(i, grad, grad_extremes, alpha, grads)
         return self.cast_scale(i, grad, grad_extremes, alpha)
 
-    def common(self, parts: list[tuple[torch.Tensor, int]], i: int, summed: bool = False) -> int:
+    def common(self, parts: list[tuple[torch.Tensor, Exponent]], i: int, summed: bool = False) -> Exponent:
         """Algorithm 1, line 17: one scale for gradients that carry different ones.
 
         ``summed``: the parts are added (a branch), so the bound is on their sum, Σ max|∇X_i| / α_i,
         not on each part; it is checked even when they share a scale if the sum is taken in a low
         precision, where it can overflow though every part is finite (a weight used three times
-        under autocast). Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`.
+        under autocast). Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`. Taken on the
+        parts' device: the scale is returned there, unread (the next decision reads it with its own statistics).
 
         A sum taken in a wider format than the gradients' (fp32 under autocast: a Transformer's
         residual stream around its LayerNorms) gets the smallest incoming scale
@@ -177,18 +181,22 @@ class NodeDecisions:
         """
         alphas = [a for _, a in parts]
         low_precision = any(g.dtype in FORMATS for g, _ in parts)
+        on_device = any(isinstance(a, torch.Tensor) for a in alphas)
         if summed and not low_precision and self.settings.recipe.wide_branch_scale == "smallest":
-            return self.bounds.capped(min(alphas), i)
+            return self.bounds.capped(_stacked(alphas, parts[0][0].device).amin() if on_device else min(alphas), i)
         low_precision_sum = summed and len(parts) > 1 and low_precision
-        if len(set(alphas)) == 1 and not low_precision_sum:
+        known_equal = all(a is alphas[0] for a in alphas) or (not on_device and len(set(alphas)) == 1)
+        if known_equal and not low_precision_sum:
             return alphas[0]
-        maxima = magnitudes([extremes(g) for g, _ in parts])
-        true_maxima = [m * 2.0**-a for m, a in zip(maxima, alphas)]
-        largest = (sum(true_maxima) if summed else max(true_maxima)) * self.bounds.gains_after.get(i, 1.0)
+        exponents = _stacked(alphas, parts[0][0].device)
+        low_high = torch.stack([v.double() for g, _ in parts for v in extremes(g)]).view(-1, 2)  # parts of several dtypes
+        true_maxima = torch.maximum(-low_high[:, 0], low_high[:, 1]) * torch.exp2(-exponents)  # NaN where a part holds one
+        largest = (true_maxima.sum() if summed else true_maxima.amax()) * self.bounds.gains_after.get(i, 1.0)
         headroom = self.settings.recipe.replay_headroom_log2
-        return self.bounds.capped(branch_log2_scale(alphas, largest * 2.0**headroom, self.settings.lambda_max), i)
+        chosen = self.bounds.capped(branch_log2_scale(exponents, largest * 2.0**headroom, self.settings.lambda_max), i)
+        return chosen if low_precision_sum else torch.where((exponents == exponents[0]).all(), exponents[0], chosen)
 
-    def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
+    def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
         """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.
 
         The first layer sends no activation gradient on: its weight gradients alone decide its scale.
@@ -206,10 +214,10 @@ class NodeDecisions:
         recipe = s.recipe
         sent = [v for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands) if v is not None] if recipe.exact_probes else []
         samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
-        (grad_rms, *values), orders = stats_and_samples(
+        (grad_rms, *values), orders, alpha = self._read(
             [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
             samples,
-            s.underflow_rate,
+            alpha,
         )
         grad_max = magnitude(*values[:2])
         if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
@@ -271,14 +279,14 @@ class NodeDecisions:
         largest = max(magnitudes([extremes(values) for values in exact]))
         return overflow_max_log2_scale(largest * 2.0**self.settings.recipe.weight_grad_margin_log2, self.settings.lambda_max)
 
-    def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
+    def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
         """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others);
         Theorem 2 where the recipe has no exact probes."""
         if not self.settings.recipe.exact_probes:
             return self._log_normal_cast_scale(i, grad, grad_extremes, alpha)
         return self._sampled_scale(i, "cast", [grad], grad_extremes, alpha)
 
-    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int) -> int:
+    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
         """Theorem 2: ln|∇y| over the nonzero elements taken as N(μ, σ²), the paper's model of a cast."""
         s = self.settings
         magnitudes_ = detached(grad).float().abs()
@@ -287,7 +295,7 @@ class NodeDecisions:
         logs = torch.where(nonzero, magnitudes_.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
         mean = logs.sum() / count.clamp_min(1)
         variance = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / count.clamp_min(1)
-        low, high, log_mean, log_variance, nonzero_count = stats(*grad_extremes, mean, variance, count)
+        (low, high, log_mean, log_variance, nonzero_count), _, alpha = self._read([*grad_extremes, mean, variance, count], [], alpha)
         grad_max = magnitude(low, high)
         if not math.isfinite(grad_max) or nonzero_count == 0:
             return self.non_finite(i, "cast", alpha)
@@ -298,7 +306,7 @@ class NodeDecisions:
         self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate, None, *limit))
         return beta
 
-    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: int, grads: list[torch.Tensor]) -> int:
+    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]) -> int:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
         node, name = self.graph.nodes[i], self.graph.names[i]
         if name in RNN_NODES:
@@ -307,13 +315,13 @@ class NodeDecisions:
             kind, samples = "attention", [probe(node, grad, k, None, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
         return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad_extremes, alpha)
 
-    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: int) -> int:
+    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent) -> int:
         s = self.settings
         if not samples:
             return self.non_finite(i, kind, alpha)
         exact = [ExactSample(v) for v in samples]
         pairs = [grad_extremes, *(extremes(v) for v in samples)]
-        values, orders = stats_and_samples([v for pair in pairs for v in pair], exact, s.underflow_rate)
+        values, orders, alpha = self._read([v for pair in pairs for v in pair], exact, alpha)
         (grad_max, *sample_max) = [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
         if not all(map(math.isfinite, (grad_max, *sample_max))):
             return self.non_finite(i, kind, alpha)
@@ -327,9 +335,10 @@ class NodeDecisions:
         self._add(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, math.nan, None, *limit), [], measured, measured_is_rate=True)
         return beta
 
-    def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: int) -> int:
+    def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> int:
         """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
-        (grad_max,) = magnitudes([grad_extremes])
+        (low, high), _, alpha = self._read(list(grad_extremes), [], alpha)
+        grad_max = magnitude(low, high)
         upper = overflow_max_log2_scale(grad_max, self.settings.lambda_max)
         beta = math.ceil(upper) - 1 - self.settings.recipe.opaque_probe_headroom_log2 if math.isfinite(upper) else 0
         ceiling = self.bounds.ceiling(i, alpha)
@@ -373,7 +382,30 @@ class NodeDecisions:
         else:
             self.layers.append(rates.applied_to(layer, iter(())))
 
-    def non_finite(self, i: int, kind: str, alpha: int) -> int:
+    def non_finite(self, i: int, kind: str, alpha: Exponent) -> int:
         """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""
-        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, alpha, math.nan))
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, self.host(alpha), math.nan))
         return 0
+
+    def _read(self, values: list[torch.Tensor], samples: list[ExactSample], alpha: Exponent) -> tuple[list[float], list[OrderStatistics], int]:
+        """:func:`~gs_lightning.scaling.gradient_stats.stats_and_samples` of a decision's statistics, with the scale
+        ``alpha`` its gradient carries where a merge left it on the device: one synchronisation."""
+        unread = isinstance(alpha, torch.Tensor)
+        read_values, orders = stats_and_samples([*values, alpha] if unread else values, samples, self.settings.underflow_rate)
+        if unread:
+            self.read_exponents[alpha] = int(read_values.pop())
+            alpha = self.read_exponents[alpha]
+        return read_values, orders, alpha
+
+    def host(self, alpha: Exponent) -> int:
+        """The value of ``alpha``: as a decision read it, or read now (one synchronisation) where none did."""
+        if not isinstance(alpha, torch.Tensor):
+            return alpha
+        if alpha not in self.read_exponents:
+            self.read_exponents[alpha] = int(read([alpha])[0])
+        return self.read_exponents[alpha]
+
+
+def _stacked(exponents: list[Exponent], device: torch.device) -> torch.Tensor:
+    """``exponents`` as one float64 vector on ``device``; a Python int is filled in there, not copied from the host."""
+    return torch.stack([e.to(device) if isinstance(e, torch.Tensor) else torch.full((), e, dtype=torch.float64, device=device) for e in exponents])

@@ -3,7 +3,8 @@
 Exponents are log2 of power-of-two scales throughout. ``alpha_out[i]`` is the scale node ``i``'s
 outgoing gradients carry; ``slot_alpha[(i, s)]`` the scale of the gradient arriving in slot ``s``
 of node ``i``. The factor applied on an edge is given by :func:`edge_shift`, which both the update
-run (as it decides) and the replay (from a saved plan) use.
+run (as it decides) and the replay (from a saved plan) use. A plan holds Python ints; during an update
+an exponent may still be a 0-dim tensor on the gradients' device (:data:`Exponent`), unread.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch
 
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, Slot
 
+# log2 of a power-of-two scale: a Python int, or (during an update, until read) a 0-dim float64 tensor on the device.
+Exponent = int | torch.Tensor
+
 
 @dataclass(frozen=True)
 class LeafTargets:
@@ -29,15 +33,15 @@ class LeafTargets:
         exits: Leaves that hand their gradient on instead of keeping it (the inputs of a
             reentrant checkpoint's inner graph): they receive it at ``exit_alpha``, the scale the
             outer graph expects from the checkpoint node. Every other leaf receives it at 2^0.
-        exit_alpha: log2 of that scale.
+        exit_alpha: log2 of that scale (during an update, possibly still on the device).
     """
 
     deferred: frozenset[int] = frozenset()
     exits: frozenset[int] = frozenset()
-    exit_alpha: int = 0
+    exit_alpha: Exponent = 0
 
 
-def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: int, slot_alpha: dict[Slot, int], leaves: LeafTargets) -> int:
+def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_alpha: dict[Slot, Exponent], leaves: LeafTargets) -> Exponent:
     """log2 of the factor a gradient sent with scale ``2^alpha`` gets on ``edge``.
 
     * into a leaf: to the leaf's target scale (2^0, a parameter's true gradient, in the leaf's own
@@ -56,12 +60,22 @@ def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: int, slot_alpha: 
     return 0
 
 
-def times_pow2(grad: torch.Tensor | None, exponent: int) -> torch.Tensor | None:
-    """``grad · 2^exponent`` (exact in binary floating point, barring under/overflow), laid out as ``grad``."""
-    return times_factor(grad, 2.0**exponent) if exponent and grad is not None else grad
+def shift(target: Exponent, carried: Exponent) -> Exponent:
+    """log2 of the factor taking a gradient from scale ``2^carried`` to ``2^target`` (0 where both are one exponent)."""
+    return 0 if target is carried else target - carried
 
 
-def times_factor(grad: torch.Tensor, factor: float) -> torch.Tensor:
+def times_pow2(grad: torch.Tensor | None, exponent: Exponent) -> torch.Tensor | None:
+    """``grad · 2^exponent`` (exact in binary floating point, barring under/overflow), laid out as ``grad``.
+
+    An exponent on the device is not read: the product is taken whatever its value (0 included).
+    """
+    if grad is None or (not isinstance(exponent, torch.Tensor) and not exponent):
+        return grad
+    return times_factor(grad, torch.exp2(exponent) if isinstance(exponent, torch.Tensor) else 2.0**exponent)
+
+
+def times_factor(grad: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
     """``grad · factor`` with ``grad``'s strides, so that what reads it next sums in the same order.
 
     A gradient that is a view (a slice of a concatenated head output's gradient, an expanded
@@ -70,10 +84,19 @@ def times_factor(grad: torch.Tensor, factor: float) -> torch.Tensor:
     over the memory span the view covers, and the result views that span as ``grad`` does.
     """
     if grad.layout != torch.strided or grad.is_contiguous() or grad.numel() == 0:
-        return grad * factor
+        return _product(grad, factor)
     span = 1 + sum((size - 1) * stride for size, stride in zip(grad.shape, grad.stride()))
     flat = grad.as_strided((span,), (1,), grad.storage_offset())
-    return (flat * factor).as_strided(grad.shape, grad.stride())
+    return _product(flat, factor).as_strided(grad.shape, grad.stride())
+
+
+def _product(values: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    """``values · factor``, rounded once to ``values``' dtype. A 0-dim tensor factor would be cast to that dtype
+    first (2^20 is inf in fp16): it multiplies in fp32 at least, as a Python factor does."""
+    if not isinstance(factor, torch.Tensor):
+        return values * factor
+    wide = torch.promote_types(values.dtype, torch.float32)
+    return (values.to(wide) * factor.to(wide)).to(values.dtype)
 
 
 def _factor_hook(factors: tuple[float | None, ...]) -> Callable[[tuple], tuple]:

@@ -225,8 +225,9 @@ class GradientScaler:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``.
 
         Between updates the backward does not synchronise with the device. On an update iteration it
-        synchronises once per decision point (GEMM, cast, fused kernel, opaque region, merge of
-        gradients at different scales), each reading its statistics (:attr:`update_iterations` counts those iterations).
+        synchronises once per decision point (GEMM, cast, fused kernel, opaque region), each reading its
+        statistics (:attr:`update_iterations` counts those iterations); where gradients at different scales
+        merge, the common scale is taken on the device and read with the next decision's statistics.
         """
         try:
             self.scale(loss).backward(retain_graph=retain_graph)

@@ -1,7 +1,7 @@
 """The statistical model of underflow (Zhao et al., IJCAI 2020, §3-4.2), in log2 space.
 
-Pure functions on host floats; everything here is exact arithmetic on a handful of statistics,
-so it runs only on scale-update iterations. Scales are powers of two and handled as their
+Pure functions on a handful of statistics (host floats; the branch rule's on the device, unread), exact
+arithmetic that runs only on scale-update iterations. Scales are powers of two and handled as their
 integer exponents: multiplying by ``2.0 ** k`` is exact in every binary float format.
 
 Where this deviates from the paper, and why (issue #8; Monte Carlo: ``python -m
@@ -198,17 +198,18 @@ def choose_log2_scale(lower: float, upper: float, ceiling: int | None = None) ->
     return exponent
 
 
-def branch_log2_scale(incoming: list[int], largest_true_value: float, lambda_max: float) -> int:
-    """Algorithm 1, line 17: the common scale for gradients summed at a branch.
+def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, lambda_max: float) -> torch.Tensor:
+    """Algorithm 1, line 17: the common scale for gradients summed at a branch, on their device (nothing is read).
 
-    The largest incoming exponent α_j with 2^α_j · max_i(max|∇X_i| / α_i) < λmax; if none fits,
-    the smallest is halved until one does.
+    ``incoming`` holds the parts' exponents α_i (a float64 vector), ``largest_true_value`` max_i(max|∇X_i| / α_i)
+    (or their sum, for a sum). Returns the largest α_j with 2^α_j · largest_true_value < λmax, a 0-dim tensor; if
+    none fits, the smallest halved until one does. A non-finite or zero ``largest_true_value`` bounds nothing.
     """
-    bound = overflow_max_log2_scale(largest_true_value, lambda_max)
-    for exponent in sorted(set(incoming), reverse=True):
-        if exponent < bound:
-            return exponent
-    return min(min(incoming), math.ceil(bound) - 1)
+    bounded = (largest_true_value > 0.0) & torch.isfinite(largest_true_value)
+    bound = torch.where(bounded, torch.log2(lambda_max / largest_true_value), math.inf)
+    fits = incoming < bound
+    largest_fitting = torch.where(fits, incoming, -math.inf).amax()
+    return torch.where(fits.any(), largest_fitting, torch.minimum(incoming.amin(), torch.ceil(bound) - 1.0))
 
 
 # --- Model-free: order statistics of exact values ---------------------------------------------

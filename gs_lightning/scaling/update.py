@@ -3,7 +3,8 @@
 The run walks the scales through the graph (merging the scales that meet at a node or a branch, passing
 them on through the nodes that decide nothing); the decision core (:mod:`~gs_lightning.scaling.decide`)
 chooses each decision point's scale, reading a few statistics of the gradient at hand (the update
-iteration's only host-device synchronisations). What the run decides becomes a
+iteration's only host-device synchronisations). A merge's scale stays on the device until the next
+decision reads it with its own statistics. What the run decides becomes a
 :class:`~gs_lightning.scaling.plan.ScalePlan` that the iterations in between replay as constant factors.
 """
 
@@ -18,9 +19,9 @@ import torch
 
 from gs_lightning.scaling.bounds import ScaleBounds, Settings, decision_nodes
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions
-from gs_lightning.scaling.gradient_stats import Extremes, extremes
+from gs_lightning.scaling.gradient_stats import Extremes, extremes, read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
-from gs_lightning.scaling.plan import LeafTargets, ScalePlan, edge_shift, times_pow2
+from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, edge_shift, shift, times_pow2
 
 Warn = Callable[[str, str], None]
 
@@ -45,18 +46,18 @@ class UpdateRun:
         settings: Settings,
         leaves: LeafTargets,
         warn: Warn,
-        root_alpha: int = 0,
+        root_alpha: Exponent = 0,
     ) -> None:
         self.graph = graph
         self.analysis = analysis
         self.settings = settings
         self.leaves = leaves
         self._warn = warn
-        self.alpha_out: dict[int, int] = {}
-        self.slot_alpha: dict[Slot, int] = {(0, s): root_alpha for s in analysis.slots[0]}
+        self.alpha_out: dict[int, Exponent] = {}  # Python ints once the backward is complete
+        self.slot_alpha: dict[Slot, Exponent] = {(0, s): root_alpha for s in analysis.slots[0]}
         self._pass_through: list[int] = []  # nodes that send gradients on at the scale they received, without a hook
         self._every_node_tracked = False
-        self._stash: dict[Slot, list[tuple[torch.Tensor, int]]] = defaultdict(list)
+        self._stash: dict[Slot, list[tuple[torch.Tensor, Exponent]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
         self.bounds = ScaleBounds(graph, analysis, settings, leaves)
         self.decisions = NodeDecisions(graph, analysis, settings, self.bounds)
@@ -91,14 +92,20 @@ class UpdateRun:
         return [self.graph.nodes[i].register_hook(partial(self._post, i)) for i in self._pass_through]
 
     def complete(self) -> None:
-        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`."""
-        if self._every_node_tracked:
-            return
-        for i in self._pass_through:
-            alpha = self._node_scale(i)
-            for edge in self.graph.edges[i]:
-                if edge is not None and edge[0] not in self.analysis.leaves:
-                    self.slot_alpha[edge] = alpha
+        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`,
+        every one a Python int (those no decision read, in one synchronisation)."""
+        if not self._every_node_tracked:
+            for i in self._pass_through:
+                alpha = self._node_scale(i)
+                for edge in self.graph.edges[i]:
+                    if edge is not None and edge[0] not in self.analysis.leaves:
+                        self.slot_alpha[edge] = alpha
+        known = self.decisions.read_exponents
+        values = [*self.alpha_out.values(), *self.slot_alpha.values()]
+        unread = list({id(v): v for v in values if isinstance(v, torch.Tensor) and v not in known}.values())
+        known.update(zip(unread, (int(v) for v in read(unread))))
+        self.alpha_out = {i: known[a] if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
+        self.slot_alpha = {slot: known[a] if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
 
     def _needs_post_hook(self, i: int) -> bool:
         """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
@@ -144,7 +151,7 @@ class UpdateRun:
         alpha = self.decisions.common(parts, i) if parts else 0
         grads = list(grad_outputs)
         for (s, g), (_, a_s) in zip(present, parts):
-            grads[s] = times_pow2(g, alpha - a_s)
+            grads[s] = times_pow2(g, shift(alpha, a_s))
         beta = 0
         if present and i in a.layer_names:
             grad = grads[present[0][0]]
@@ -152,10 +159,12 @@ class UpdateRun:
             self.decisions.finite_flags.append((a.layer_names[i], grad_extremes))
             beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
+        if isinstance(alpha, torch.Tensor):  # as the decision read it
+            alpha = self.decisions.read_exponents.get(alpha, alpha)
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
-    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: int) -> int:
+    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
         if i in self.analysis.opaque:
             return self.decisions.opaque_probe(i, grad_extremes, alpha)
         try:
@@ -188,7 +197,7 @@ class UpdateRun:
                 self.slot_alpha[edge] = alpha
         return tuple(out)
 
-    def _node_scale(self, i: int) -> int:
+    def _node_scale(self, i: int) -> Exponent:
         """The scale node ``i``'s outgoing gradients carry (once it ran): decided in its pre-hook, or the one it received."""
         alpha = self.alpha_out.get(i)
         if alpha is None:
@@ -196,14 +205,14 @@ class UpdateRun:
             alpha = self.alpha_out[i] = self._slot_scale((i, slot))
         return alpha
 
-    def _slot_scale(self, slot: Slot) -> int:
+    def _slot_scale(self, slot: Slot) -> Exponent:
         """The scale of the gradient arriving in ``slot``, once its feeders ran.
 
         Set where it was decided (a branch's sum, the root); otherwise the scale its one feeder
         sends, which a pass-through feeder (no hook) received in turn: looked up along the chain of
         them, and recorded for each on the way.
         """
-        chain: list[tuple[Slot, int]] = []
+        chain: list[tuple[Slot, int]] = []  # (slot, its feeder)
         alpha = self.slot_alpha.get(slot)
         while alpha is None:
             feeder = self.analysis.feeders.get(slot)
@@ -220,7 +229,7 @@ class UpdateRun:
             self.slot_alpha[slot] = self.alpha_out.setdefault(feeder, alpha)
         return alpha
 
-    def _arrive(self, slot: Slot, grad: torch.Tensor | None, alpha: int) -> torch.Tensor | None:
+    def _arrive(self, slot: Slot, grad: torch.Tensor | None, alpha: Exponent) -> torch.Tensor | None:
         """Keep a branch contribution aside; the last one applies the common scale and sends the sum."""
         self._arrived[slot] += 1
         if grad is not None:
@@ -231,6 +240,6 @@ class UpdateRun:
         common = self.slot_alpha[slot] = self.decisions.common(parts, slot[0], summed=True) if parts else alpha
         total = None
         for part, a in parts:  # in arrival order, as autograd itself would sum them
-            term = times_pow2(part, common - a)
+            term = times_pow2(part, shift(common, a))
             total = term if total is None else total + term
         return total

@@ -8,6 +8,7 @@ accumulation lengths 1..4096, where Theorem 1 / Theorem 2 (the rules before) exc
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -238,6 +239,17 @@ def test_scale_rounding_and_clamping() -> None:
     assert underflow.choose_log2_scale(10.0, 6.5) == 6  # overflow bound rounded down
     assert underflow.choose_log2_scale(10.0, 6.0) == 5  # strict: α < 2^6
     assert underflow.choose_log2_scale(0.0, -2.3) == -3  # overflow forces a scale below 1
-    assert underflow.branch_log2_scale([5, 9, 2], 2.0**-4, 2.0**16) == 9
-    assert underflow.branch_log2_scale([5, 9, 2], 2.0**10, 2.0**16) == 5
-    assert underflow.branch_log2_scale([5, 9], 2.0**20, 2.0**16) == -5  # halve the smallest until it fits
+
+
+def _branch(incoming: list[int], largest: float) -> float:
+    as_tensor = partial(torch.tensor, dtype=torch.float64)
+    return underflow.branch_log2_scale(as_tensor(incoming), as_tensor(largest), 2.0**16).item()
+
+
+def test_branch_scale_is_the_largest_incoming_that_fits() -> None:
+    assert _branch([5, 9, 2], 2.0**-4) == 9
+    assert _branch([5, 9, 2], 2.0**10) == 5
+    assert _branch([5, 9], 2.0**20) == -5  # halve the smallest until it fits
+    assert _branch([5, 9], 2.0**6) == 9  # strict: 2^9 · 2^6 < 2^16, but 2^10 · 2^6 would not be
+    assert _branch([5, 9], 2.0**7) == 5
+    assert _branch([5, 9], math.nan) == _branch([5, 9], math.inf) == _branch([5, 9], 0.0) == 9  # nothing to bound

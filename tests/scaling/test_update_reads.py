@@ -71,3 +71,32 @@ def test_the_underflow_an_update_counted_on_the_device_is_read_with_the_step() -
         assert asked.layers() == layers and asked.first_non_finite is None
     assert len(layer_reads) == 1
     assert all(math.isfinite(layer.underflow_rate) for layer in layers if layer.kind == "gemm")
+
+
+class _Residual(nn.Module):
+    """h = first(x); head(h + inner(h)): h's gradient is the sum of two parts, the one through ``inner`` scaled further."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.inner, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        with torch.no_grad():
+            self.inner.weight.mul_(2.0**-12)  # its ∇X is small: inner decides a scale of its own, the branch merges two
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        return self.head(h + self.inner(h))
+
+
+def test_a_merge_of_different_scales_reads_nothing_the_next_decision_reads_it() -> None:
+    torch.manual_seed(0)
+    model, x = _Residual(), torch.randn(64, 16)
+    scaler = GradientScaler(model, recipe="paper")  # Algorithm 1 alone: one read per decision, no rule reads more
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).sum()
+    with counting_reads() as reads:
+        scaler.backward(loss)
+    layers = {layer.name: layer for layer in scaler.layers()}
+    assert layers["inner"].log2_total != layers["head"].log2_total  # the two parts carried different scales
+    assert len(reads) == len(layers) == 4  # head's cast, head, inner, first: none for the merge
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    assert not scaler.found_inf and all(torch.isfinite(p.grad).all() for p in model.parameters())

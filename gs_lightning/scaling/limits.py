@@ -34,7 +34,7 @@ class Limit(Enum):
     # Those of the normalisation a recomputable GEMM feeds, which are not recomputed.
     FED_PARAMETER_GRADIENTS = f"{_RECENT} of the layers it feeds"
     # Expected maxima with ScalingRecipe.spike_room_log2 more room, where the outputs still meet γ' against λ_lost.
-    SPIKE_ROOM = f"overflow of the {_RECENT}, with room where only precision is lost"
+    SPIKE_ROOM = f"{_RECENT}, with room where only precision is lost"  # shown as "overflow of the ...", as the others
     KEPT_DOWNSTREAM = "scale the layers it feeds keep"  # the GEMMs it feeds are capped lower (update.kept_downstream)
     LAYER_CAP = "max_layer_scale"
     TOTAL_CAP = "accumulated-scale cap"  # max_total_scale, or the back-off after an overflow no layer was named for

@@ -62,7 +62,8 @@ class StepRead:
         The first read after a backward also takes the largest magnitudes of the weight gradients it
         queued (:meth:`GradientDrift.pending`: each tensor read once, where it is also one of ``grads``).
         Where that reading finds weight gradients that overflowed by themselves at GEMMs the replay kept
-        the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again.
+        the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again; either
+        way what the replay kept is released then (no later read recomputes).
         ``sharded``: each rank holds its own shard of ``grads`` (FSDP1): the flag is reduced across ranks.
         """
         unread = self._unread
@@ -94,6 +95,9 @@ class StepRead:
         for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
             graph.drift.read([values[index[id(t)]] for t in tensors])
         recomputed = self.recompute_graph in unread and self._recompute_overflows(self.recompute_graph)
+        # No later read recomputes: what the replay kept (GEMM inputs and incoming gradients) goes now,
+        # before the optimizer steps, not at update().
+        self.recompute.clear()
         for graph in unread:
             if graph.drift.last.drifted and not self._surprise_within_margin(graph):
                 graph.force_update = True

@@ -6,6 +6,9 @@ Measured side by side in one run, methods interleaved round by round, medians re
 * GradScaler ``scale(loss).backward()``, ``unscale_`` (fused unscale + inf check), ``update``
 * GS update  ``GradientScaler.backward`` + ``found_inf`` on an update iteration (statistics)
 * GS reuse   ``GradientScaler.backward`` + ``found_inf`` between updates (constant factors)
+* GS reuse without the fp32 recompute (``recompute_weight_gradients=False``): what keeping each GEMM's
+  operands and incoming gradient until the step costs (on a CPU mostly the allocator's: that memory is
+  not reused within the backward); not with ``--compile``, where compiled modules keep nothing
 
 Only the backward section and the finiteness check are timed (the forward and the step are the
 same for every method; with ``--compile`` the forward is timed too, since update iterations run it
@@ -149,6 +152,10 @@ def main() -> None:
     gs_reuse = GradientScaler(reuse_model, update_interval=10**9)
     gs_reuse.backward(loss(reuse_model))  # its one update; every later backward replays it
     forward_of = {"GS update iteration": update_model, "GS between updates": reuse_model}
+    gs_kept_nothing = None
+    if not args.compile:
+        gs_kept_nothing = GradientScaler(model, update_interval=10**9, recompute_weight_gradients=False)
+        gs_kept_nothing.backward(loss())
 
     def grad_scaler(value: torch.Tensor) -> None:
         amp.scale(value).backward()
@@ -167,6 +174,8 @@ def main() -> None:
         "GS update iteration": partial(gradient_scaling, gs_update),
         "GS between updates": partial(gradient_scaling, gs_reuse),
     }
+    if gs_kept_nothing is not None:
+        methods["GS between updates, no fp32 recompute"] = partial(gradient_scaling, gs_kept_nothing)
     times: dict[str, list[float]] = {name: [] for name in methods}
     for round_ in range(args.rounds + 2):
         for name, backward in methods.items():

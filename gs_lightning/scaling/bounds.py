@@ -53,6 +53,9 @@ class Settings:
             (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
             with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
         recipe: The rules' settings (margins, headroom, probe budgets).
+        measured_weights: The GEMM nodes whose weight gradient the run computes in full, for the bound it
+            measures where the Cauchy–Schwarz bound holds the scale below γ''s: those it held at the last
+            update (telling which it holds now would take a read); ``None``: every one (no update before).
     """
 
     underflow_rate: float
@@ -67,6 +70,7 @@ class Settings:
     recompute: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
+    measured_weights: frozenset[int] | None = None
 
 
 def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:

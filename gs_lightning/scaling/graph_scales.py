@@ -41,6 +41,8 @@ class GraphScales:
         backwards: Backwards of this structure run so far: its update schedule counts these.
         last_skip: :attr:`backwards` at the last skipped step it took part in.
         force_update: Whether its next backward decides the scales again (a skipped step, the drift).
+        measured_weights: The GEMMs whose weight gradients its next update computes in full for their measured
+            bound (:attr:`Settings.measured_weights <gs_lightning.scaling.bounds.Settings.measured_weights>`).
     """
 
     def __init__(self, names: tuple[str, ...], edges: tuple, drift: GradientDrift) -> None:
@@ -57,6 +59,7 @@ class GraphScales:
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
+        self.measured_weights: frozenset[int] | None = None
 
     @property
     def layers(self) -> dict[str, LayerScale]:

@@ -59,6 +59,7 @@ class UpdateRun:
         self._every_node_tracked = False
         self._stash: dict[Slot, list[tuple[torch.Tensor, Exponent]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
+        self.held_weights: frozenset[int] = frozenset()  # GEMMs whose Cauchy–Schwarz bound held their scale (once complete)
         self.bounds = ScaleBounds(graph, analysis, settings, leaves)
         self.decisions = NodeDecisions(graph, analysis, settings, self.bounds)
 
@@ -101,8 +102,10 @@ class UpdateRun:
                     if edge is not None and edge[0] not in self.analysis.leaves:
                         self.slot_alpha[edge] = alpha
         exponents = list({id(v): v for v in (*self.alpha_out.values(), *self.slot_alpha.values()) if isinstance(v, torch.Tensor)}.values())
-        values = iter(read([*exponents, *(t for pending in self.decisions.pending for t in pending.tensors())]))
+        held = self.decisions.held_weights
+        values = iter(read([*exponents, *held.values(), *(t for pending in self.decisions.pending for t in pending.tensors())]))
         known = {id(v): int(value) for v, value in zip(exponents, values)}
+        self.held_weights = frozenset(i for i, flag in zip(list(held), values) if flag)
         self.alpha_out = {i: known[id(a)] if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
         self.slot_alpha = {slot: known[id(a)] if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
         self.decisions.settle(values)

@@ -184,8 +184,9 @@ def overflow_max_log2_scale(largest_output: float | torch.Tensor, lambda_max: fl
 
     ``largest_output`` a tensor: the bound on its device, nothing read.
     """
-    if isinstance(largest_output, torch.Tensor):  # 0 gives +inf, inf -inf, NaN or -0 NaN: all unconstrained
-        return torch.log2(lambda_max / largest_output).nan_to_num(nan=math.inf, posinf=math.inf, neginf=math.inf)
+    if isinstance(largest_output, torch.Tensor):
+        bounded = (largest_output > 0.0) & (largest_output < math.inf)
+        return torch.where(bounded, torch.log2(lambda_max / largest_output), math.inf)
     if not largest_output > 0.0 or not math.isfinite(largest_output):
         return math.inf
     return math.log2(lambda_max / largest_output)
@@ -343,18 +344,10 @@ def confident_rank(n: int, rate: float, risk: float) -> int:
 def confident_ranks(n: torch.Tensor, count: int, rate: float, risk: float) -> torch.Tensor:
     """min(:func:`confident_rank` (n), ``count``) for a 0-dim count ``n`` on its device, nothing read: how many of
     P(Binomial(n, rate) ≤ j), j = 0..count − 1, are at most ``risk`` (they rise with j), each from log-gamma."""
-    j, per_j = _binomial_terms(count, rate, n.device)
+    j = torch.arange(count, dtype=torch.float64, device=n.device)
     m = n.double()
-    # log P(Binomial = j) = lgamma(m+1) - lgamma(m-j+1) + m·log(1-rate) + [j·log(rate/(1-rate)) - lgamma(j+1)]
-    log_pmf = (torch.lgamma(m + 1.0) + m * math.log1p(-rate)) - torch.lgamma(m - j + 1.0) + per_j
+    log_pmf = torch.lgamma(m + 1.0) - torch.lgamma(j + 1.0) - torch.lgamma(m - j + 1.0) + j * math.log(rate) + (m - j) * math.log1p(-rate)
     return ((torch.logcumsumexp(log_pmf, 0) <= math.log(risk)) & (j < m)).sum()
-
-
-@functools.lru_cache(maxsize=256)
-def _binomial_terms(count: int, rate: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """j = 0..count − 1 and the part of log P(Binomial = j) that depends on j only (made once; never write to them)."""
-    j = torch.arange(count, dtype=torch.float64, device=device)
-    return j, j * (math.log(rate) - math.log1p(-rate)) - torch.lgamma(j + 1.0)
 
 
 def _sample(values: torch.Tensor) -> torch.Tensor:

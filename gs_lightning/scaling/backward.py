@@ -265,7 +265,6 @@ class ScaledBackwards:
             recompute=recompute,
             level_maxima=levels if recompute else {},
             recipe=recipe,
-            measured_weights=None if path else scales.measured_weights,
         )
 
     def _warn_unhandled(self, graph: AutogradGraph, analysis: GraphAnalysis) -> None:
@@ -338,7 +337,6 @@ class ScaledBackwards:
         self.update_iterations += 1
         scales.plans[()] = run.plan()
         scales.keep_update(run.layers, run.decisions.finite_flags, run.decisions.unread_rates)
-        scales.measured_weights = run.held_weights
         scales.force_update = False
         self.backoff.updated(run, scales)
 

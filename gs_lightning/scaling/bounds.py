@@ -7,7 +7,6 @@ every cap (the user's, the back-off's, what the GEMMs downstream keep), and says
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from gs_lightning.scaling.limits import Bound, Limit
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.underflow import choose_log2_scale, finite, overflow_max_log2_scale
+from gs_lightning.scaling.underflow import choose_log2_scale, overflow_max_log2_scale
 
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
@@ -53,9 +52,6 @@ class Settings:
             (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
             with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
         recipe: The rules' settings (margins, headroom, probe budgets).
-        measured_weights: The GEMM nodes whose weight gradient the run computes in full, for the bound it
-            measures where the Cauchy–Schwarz bound holds the scale below γ''s: those it held at the last
-            update (telling which it holds now would take a read); ``None``: every one (no update before).
     """
 
     underflow_rate: float
@@ -70,7 +66,6 @@ class Settings:
     recompute: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
-    measured_weights: frozenset[int] | None = None
 
 
 def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
@@ -99,7 +94,7 @@ class ScaleBounds:
         recomputable: GEMMs whose weight gradients the replays recompute in fp32 if they overflow.
         fed_maxima: Such a GEMM -> the expected maxima of the parameter gradients it feeds.
         kept_downstream: Node -> the highest accumulated scale any gradient it sends on is used at.
-        gains_after: Node -> how much the gradient it receives can grow before the next decision (on the device).
+        gains_after: Node -> how much the gradient it receives can grow before the next decision.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, leaves: LeafTargets) -> None:
@@ -168,36 +163,25 @@ class ScaleBounds:
             return exponent
         return exponent.clamp(max=cap) if isinstance(exponent, torch.Tensor) else min(exponent, cap)
 
-    def ceiling(self, i: int, alpha: Exponent) -> Exponent | None:
-        """The cap on node ``i``'s local scale, given the scale ``alpha`` it receives (``None``: uncapped)."""
+    def ceiling(self, i: int, alpha: int) -> int | None:
         total = self.total_cap(i)
-        if total is None:
-            return self.settings.layer_cap
-        cap = total - alpha
-        if self.settings.layer_cap is None:
-            return cap
-        return cap.clamp(max=self.settings.layer_cap) if isinstance(cap, torch.Tensor) else min(cap, self.settings.layer_cap)
+        caps = [c for c in (self.settings.layer_cap, None if total is None else total - alpha) if c is not None]
+        return min(caps, default=None)
 
-    def gain_into(self, edge: Slot | None) -> float | torch.Tensor:
+    def gain_into(self, edge: Slot | None) -> float:
         """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again (:func:`gains_after`)."""
         return 1.0 if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0], 1.0)
 
-    def gain_out(self, i: int) -> float | torch.Tensor:
-        """The largest :meth:`gain_into` over node ``i``'s edges (whichever a gradient leaves by)."""
-        gains = [gain for edge in self.graph.edges[i] if isinstance(gain := self.gain_into(edge), torch.Tensor)]
-        return functools.reduce(torch.maximum, gains) if gains else 1.0  # a gain is at least 1
-
-    def choose(self, i: int, alpha: Exponent, lower: torch.Tensor, limits: dict[Bound, float | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, tuple[Bound, ...]]:
+    def choose(self, i: int, alpha: int, lower: float, limits: dict[Bound, float]) -> tuple[int, Bound]:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits``, and what held it below ``lower``.
 
         Under expected parameter-gradient maxima, :attr:`ScalingRecipe.spike_room_log2` may lower the scale as far
-        as the same bound against :attr:`Settings.lambda_lost` allows. On ``lower``'s device, nothing read: returns
-        β (0-dim float64), the reason (a 0-dim index into the reasons returned with them).
+        as the same bound against :attr:`Settings.lambda_lost` allows.
         """
         s, recipe = self.settings, self.settings.recipe
-        device, bounds = lower.device, list(limits)
         # Exact bounds keep at least the replay headroom; the others are loose already.
-        values = [torch.as_tensor(limits[b], dtype=torch.float64, device=device) - (recipe.replay_headroom_log2 if b.limit.exact else 0.0) for b in bounds]
+        limits = {bound: value - (recipe.replay_headroom_log2 if bound.limit.exact else 0.0) for bound, value in limits.items()}
+        upper_bound, upper = min(limits.items(), key=lambda item: item[1], default=(Bound(Limit.NONE), math.inf))
         caps = {Limit.LAYER_CAP: s.layer_cap}
         if s.total_cap is not None:
             caps[Limit.TOTAL_CAP] = s.total_cap - alpha
@@ -205,31 +189,24 @@ class ScaleBounds:
             caps[Limit.BACKOFF] = s.node_caps[i] - alpha
         if i in self.kept_downstream:
             caps[Limit.KEPT_DOWNSTREAM] = self.kept_downstream[i] - alpha
-        caps = {limit: torch.as_tensor(cap, dtype=torch.float64, device=device) for limit, cap in caps.items() if cap is not None}
-        reasons = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in caps), *bounds)
-        first_bound = 2 + len(caps)
-        stacked = torch.stack(values) if values else None
-        upper = stacked.amin() if stacked is not None else torch.full((), math.inf, dtype=torch.float64, device=device)
-        upper_reason = first_bound + stacked.argmin() if stacked is not None else torch.zeros((), dtype=torch.int64, device=device)  # the first lowest
-        cap_values = torch.stack(list(caps.values())) if caps else None
-        ceiling = cap_values.amin() if cap_values is not None else None
+        caps = {limit: cap for limit, cap in caps.items() if cap is not None}
+        ceiling = min(caps.values(), default=None)
         beta = choose_log2_scale(lower, upper, ceiling)
-        reason = upper_reason
-        if cap_values is not None:  # a cap it equals, the first in order, unless the overflow bound is as low
-            at_cap = cap_values == beta
-            binding = at_cap.any() & (~finite(upper) | (beta < torch.ceil(upper) - 1.0))
-            reason = torch.where(binding, 2 + at_cap.int().argmax(), upper_reason)
-        met = ~finite(lower) | (beta >= torch.ceil(lower))
-        reason = torch.where(met, 0, reason)
-        if recipe.spike_room_log2 > 0.0 and any(b.limit.expected for b in bounds) and s.lambda_lost < s.lambda_min:
+        expected = any(bound.limit.expected for bound in limits)
+        if recipe.spike_room_log2 > 0.0 and expected and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
-            roomy = torch.stack([v - (recipe.spike_room_log2 if b.limit.expected else 0.0) for b, v in zip(bounds, values)]).amin()
-            with_room = torch.maximum(choose_log2_scale(lower, roomy, ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
-            roomier = finite(lower) & (with_room < beta)
-            beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, 1, reason)
-        return beta, reason, reasons
+            roomy = min(value - (recipe.spike_room_log2 if bound.limit.expected else 0.0) for bound, value in limits.items())
+            with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
+            if with_room < beta:
+                return with_room, Bound(Limit.SPIKE_ROOM)
+        if not math.isfinite(lower) or beta >= math.ceil(lower):
+            return beta, Bound(Limit.NONE)
+        binding = next((limit for limit, cap in caps.items() if beta == cap), None)
+        if binding is not None and (not math.isfinite(upper) or beta < math.ceil(upper) - 1):
+            return beta, Bound(binding)
+        return beta, upper_bound
 
-    def expected_limits(self, i: int, alpha: Exponent) -> dict[Bound, float | torch.Tensor]:
+    def expected_limits(self, i: int, alpha: int) -> dict[Bound, float]:
         """The bounds from the parameter gradients GEMM ``i`` computes and feeds, as expected on the batches to come
         (unscaled: the bound on the local scale leaves room for the scale ``alpha`` it receives)."""
         s, limits = self.settings, {}

@@ -3,19 +3,17 @@
 Each kind of decision point has its rule: a GEMM (Theorem 1, with exact probes of what it sends on and of
 its weight gradient), a cast (an order statistic of the gradient, or Theorem 2), fused attention and RNNs
 (exact probes), an opaque region (a dynamic loss scale's rule), and the merge of gradients that carry
-different scales (Algorithm 1, line 17). Every rule measures a few statistics of the tensors at hand and
-leaves the choice to :meth:`ScaleBounds.choose <gs_lightning.scaling.bounds.ScaleBounds.choose>`, all on
-their device: the scale is a 0-dim tensor there, and nothing is read until the backward is complete, when
-what each chose becomes a :class:`LayerScale` (:class:`PendingLayer` until then).
+different scales (Algorithm 1, line 17). Every rule measures a few statistics of the tensors at hand, reads
+them to the host in one synchronisation, and leaves the choice to :meth:`ScaleBounds.choose
+<gs_lightning.scaling.bounds.ScaleBounds.choose>`. What each chose is a :class:`LayerScale`.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -25,8 +23,13 @@ from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.gradient_stats import (
     Extremes,
     FiniteFlags,
+    OrderStatistics,
     extremes,
+    magnitude,
+    magnitudes,
+    read,
     rms,
+    stats_and_samples,
 )
 from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.limits import Bound, Limit, describe, parse
@@ -38,7 +41,6 @@ from gs_lightning.scaling.underflow import (
     cast_min_log2_scale,
     cast_underflow_rate,
     counted_rate,
-    finite,
     gemm_min_log2_scale,
     gemm_sigma,
     gemm_underflow_rate,
@@ -125,51 +127,8 @@ class UnreadRates:
         return replace(layer, underflow_rate=rate, measured_underflow=rate if self.measured_is_rate else max(measured, default=None))
 
 
-@dataclass(frozen=True)
-class PendingLayer:
-    """What a decision chose, still on the device: :meth:`settled` turns it into a :class:`LayerScale` once read.
-
-    ``decided`` is false where the statistics were not finite (the step is skipped whatever the scale): the
-    layer then shows the scale it passed on (``beta``, 0 but for an opaque region's probe) and no rate.
-    ``modelled`` gives the modelled underflow rates at the scale chosen from ``statistics`` as read.
-    """
-
-    name: str
-    kind: str
-    alpha: Exponent
-    beta: Exponent
-    decided: torch.Tensor | bool = False
-    reason: torch.Tensor | int = 0
-    reasons: tuple[Bound, ...] = (Bound(Limit.NONE),)
-    statistics: tuple[torch.Tensor, ...] = ()
-    modelled: Callable[[int, list[float]], list[float]] | None = None
-    measured: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-    if_none: float = 0.0
-    measured_is_rate: bool = False
-
-    def tensors(self) -> list[torch.Tensor]:
-        """What to read, in order."""
-        return [t for t in (self.alpha, self.beta, self.decided, self.reason, *self.statistics) if isinstance(t, torch.Tensor)]
-
-    def settled(self, values: Iterator[float], index: int) -> tuple[LayerScale, UnreadRates | None]:
-        """The layer, ``values`` yielding :meth:`tensors` as read; with its rates, or what is left to read of them
-        (the measured counts, read with the step's read) as :class:`UnreadRates` for position ``index``."""
-        alpha, beta, decided, reason = (int(next(values)) if isinstance(v, torch.Tensor) else int(v) for v in (self.alpha, self.beta, self.decided, self.reason))
-        statistics = [next(values) for _ in self.statistics]
-        if not decided:
-            return LayerScale(self.name, self.kind, beta, alpha + beta, math.nan), None
-        bound = self.reasons[reason]
-        layer = LayerScale(self.name, self.kind, beta, alpha + beta, math.nan, None, bound.limit, bound.index)
-        modelled = tuple(self.modelled(beta, statistics)) if self.modelled is not None else ()
-        rates = UnreadRates(index, modelled, self.measured, self.if_none, self.measured_is_rate)
-        return (layer, rates) if rates.tensors() else (rates.applied_to(layer, iter(())), None)
-
-
 class NodeDecisions:
     """The scale of each decision point of one update run (module docstring).
-
-    Every decision is taken on the gradient's device: the scales it returns are 0-dim tensors there, and what
-    it records (:attr:`pending`) is read once, when the run is complete (:meth:`settle`).
 
     Args:
         graph: The walked backward graph.
@@ -178,37 +137,25 @@ class NodeDecisions:
         bounds: The caps and the rules' bounds on each node's scale.
 
     Attributes:
-        pending: What each decision chose, in backward order, until :meth:`settle` reads it into :attr:`layers`.
-        layers: What each decision chose, in backward order (after :meth:`settle`).
+        layers: What each decision chose, in backward order.
         finite_flags: (layer, values finite iff its gradient is), for :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
-        unread_rates: The layers whose underflow was counted on the device: their rates in :attr:`layers` are
-            NaN until :meth:`UnreadRates.applied_to` reads them in (with the step's read).
-        held_weights: GEMM node -> whether the Cauchy–Schwarz bound on its weight gradient held its scale below
-            γ''s (a 0-dim bool on the device, read with :attr:`pending`).
+        unread_rates: The layers whose underflow was counted on the device (scales below the one that meets γ'):
+            their rates in :attr:`layers` are NaN until :meth:`UnreadRates.applied_to` reads them in.
+        read_exponents: Exponents :meth:`common` left on the device -> their values, as the decisions below read them.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
         self.graph, self.analysis, self.settings, self.bounds = graph, analysis, settings, bounds
-        self.pending: list[PendingLayer] = []
         self.layers: list[LayerScale] = []
         self.finite_flags: FiniteFlags = []
-        self.opaque_probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.opaque_probes: dict[int, tuple[int, float]] = {}
         self.unread_rates: list[UnreadRates] = []
-        self.held_weights: dict[int, torch.Tensor] = {}  # GEMM node -> whether its Cauchy–Schwarz bound held its scale
+        self.read_exponents: dict[torch.Tensor, int] = {}  # exponents merges left on the device, as decisions read them
 
-    def settle(self, values: Iterator[float]) -> None:
-        """Turn :attr:`pending` into :attr:`layers`, ``values`` yielding each one's :meth:`PendingLayer.tensors` as read."""
-        for pending in self.pending:
-            layer, rates = pending.settled(values, len(self.layers))
-            self.layers.append(layer)
-            if rates is not None:
-                self.unread_rates.append(rates)
-        self.pending = []
-
-    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
+    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
-        the present ones) carries the accumulated scale ``alpha``; recorded in :attr:`pending`."""
+        the present ones) carries the accumulated scale ``alpha``; recorded in :attr:`layers`."""
         if i in self.analysis.gemms:
             return self.gemm_scale(i, grad, grad_extremes, alpha)
         if i in self.analysis.fused:
@@ -249,7 +196,7 @@ class NodeDecisions:
         chosen = self.bounds.capped(branch_log2_scale(exponents, largest * 2.0**headroom, self.settings.lambda_max), i)
         return chosen if low_precision_sum else torch.where((exponents == exponents[0]).all(), exponents[0], chosen)
 
-    def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
+    def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
         """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.
 
         The first layer sends no activation gradient on: its weight gradients alone decide its scale.
@@ -267,47 +214,45 @@ class NodeDecisions:
         recipe = s.recipe
         sent = [v for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands) if v is not None] if recipe.exact_probes else []
         samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
-        grad_max = _magnitude(grad_extremes)
-        operand_rms = [rms(op.operand).double() for _, op in operands]
-        operand_max = [_magnitude(extremes(op.operand)) for _, op in operands]
-        weight_values = {Bound(Limit(tensor)): bound.double() for tensor, bound in weight_bounds.items()}
-        # Not finite: the step will be skipped whatever the scale (a non-finite ∇Y, or forward).
-        decided = finite(torch.stack([grad_max, *operand_rms, *operand_max, *weight_values.values()])).all()
-        lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
-        grad_rms = rms(grad).double()
-        sigmas = [gemm_sigma(n, grad_rms, operand) for n, operand in zip(lengths, operand_rms)]
-        lower = _largest(
-            [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
-            grad.device,
+        (grad_rms, *values), orders, alpha = self._read(
+            [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
+            samples,
+            alpha,
         )
-        limits: dict[Bound, float | torch.Tensor] = {
+        grad_max = magnitude(*values[:2])
+        if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
+            return self.non_finite(i, "gemm", alpha)
+        operand_values, weight_values = values[2 : 2 + 3 * len(operands)], values[2 + 3 * len(operands) :]
+        operand_stats = [v for k in range(len(operands)) for v in (operand_values[3 * k], magnitude(*operand_values[3 * k + 1 : 3 * k + 3]))]
+        if not all(map(math.isfinite, (*operand_stats, *weight_values))):  # a non-finite forward: skipped whatever the scale
+            return self.non_finite(i, "gemm", alpha)
+        weight_stats = dict(zip(weight_bounds, weight_values))
+        lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
+        sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
+        lower = max(
+            [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
+            + [v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(samples, orders)],
+            default=-math.inf,
+        )
+        limits = {
             Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max),
             **{
                 Bound(Limit.INPUT_GRADIENT, k): overflow_max_log2_scale(
-                    op.accumulation_length * grad_max * operand_max[j] * self.bounds.gain_into(self.graph.edges[i][k]), s.lambda_max
+                    op.accumulation_length * grad_max * operand_stats[2 * j + 1] * self.bounds.gain_into(self.graph.edges[i][k]), s.lambda_max
                 )
                 for j, (k, op) in enumerate(operands)
             },
-            **{bound: overflow_max_log2_scale(value, s.lambda_max) for bound, value in weight_values.items()},
+            **{Bound(Limit(tensor)): overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
         }
         limits.update(self.bounds.expected_limits(i, alpha))
+        wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
         weight = Bound(Limit.WEIGHT_GRADIENT)
-        if weight in limits:  # where the Cauchy–Schwarz bound holds the scale below γ''s: the weight gradient's own bound
-            bound = limits[weight]
-            lowest = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=grad.device) for v in limits.values()]).amin()
-            held = self.held_weights[i] = (bound < lower.clamp(min=0.0)) & (lowest == bound)
-            if not recipe.exact_probes or s.measured_weights is None or i in s.measured_weights:  # without probes: inf, free
-                limits[weight] = torch.where(held, torch.maximum(bound, self._measured_weight_limit(i, grad)), bound)
-        beta, reason, reasons = self.bounds.choose(i, alpha, lower, limits)
-        beta = torch.where(decided, beta, 0.0)
-        self.pending.append(
-            PendingLayer(
-                self.analysis.layer_names[i], "gemm", alpha, beta, decided, reason, reasons, tuple(sigmas),
-                partial(_gemm_rates, lengths=lengths, lambda_min=s.lambda_min),
-                tuple(v.underflow_count(beta, s.lambda_min) for v in samples),
-            )
-        )
+        if limits.get(weight, math.inf) < wanted and min(limits.values()) == limits[weight]:
+            limits[weight] = max(limits[weight], self._measured_weight_limit(i, grad))
+        beta, limit = self.bounds.choose(i, alpha, lower, limits)
+        modelled = [gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
+        measured = [v.underflow_count(beta, s.lambda_min) for v in samples]
+        self._add(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, math.nan, None, *limit), modelled, measured)
         return beta
 
     def _weight_samples(self, i: int, grad: torch.Tensor, elements: int | None = None) -> list[torch.Tensor]:
@@ -322,27 +267,26 @@ class NodeDecisions:
         node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad, recipe.weight_probe_elements, recipe.weight_probe_macs)
         return [values for k in self.analysis.weight_edges[i] if (values := probe(node, grad, k, None, elements)) is not None]
 
-    def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """The overflow bound from the weight gradient itself, computed in fp32, with :attr:`ScalingRecipe.weight_grad_margin_log2`
-        to spare (``inf``: none to compute, without exact probes or where the input is unreadable).
+    def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> float:
+        """The overflow bound from the weight gradient itself, computed in fp32, with :attr:`ScalingRecipe.weight_grad_margin_log2` to spare.
 
-        For the layers the Cauchy–Schwarz bound keeps from meeting γ' (one more GEMM on update iterations): computed
-        where it held the scale at the last update (:attr:`Settings.measured_weights`), and used where it holds it now.
+        Only where the Cauchy–Schwarz bound is what keeps a scale from meeting γ' (one more GEMM
+        on such layers, on update iterations only), with exact probes.
         """
         exact = self._weight_samples(i, grad, elements=sys.maxsize) if self.settings.recipe.exact_probes else []
         if not exact:
-            return torch.full((), math.inf, dtype=torch.float64, device=grad.device)
-        largest = torch.stack([_magnitude(extremes(values)) for values in exact]).amax()
+            return math.inf
+        largest = max(magnitudes([extremes(values) for values in exact]))
         return overflow_max_log2_scale(largest * 2.0**self.settings.recipe.weight_grad_margin_log2, self.settings.lambda_max)
 
-    def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
+    def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
         """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others);
         Theorem 2 where the recipe has no exact probes."""
         if not self.settings.recipe.exact_probes:
             return self._log_normal_cast_scale(i, grad, grad_extremes, alpha)
         return self._sampled_scale(i, "cast", [grad], grad_extremes, alpha)
 
-    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
+    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
         """Theorem 2: ln|∇y| over the nonzero elements taken as N(μ, σ²), the paper's model of a cast."""
         s = self.settings
         magnitudes_ = detached(grad).float().abs()
@@ -351,17 +295,18 @@ class NodeDecisions:
         logs = torch.where(nonzero, magnitudes_.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
         mean = logs.sum() / count.clamp_min(1)
         variance = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / count.clamp_min(1)
-        grad_max = _magnitude(grad_extremes)
-        decided = finite(grad_max) & (count > 0)
-        log_mean, log_std = mean.double(), variance.double().clamp(min=0.0).sqrt()
+        (low, high, log_mean, log_variance, nonzero_count), _, alpha = self._read([*grad_extremes, mean, variance, count], [], alpha)
+        grad_max = magnitude(low, high)
+        if not math.isfinite(grad_max) or nonzero_count == 0:
+            return self.non_finite(i, "cast", alpha)
+        log_std = math.sqrt(max(log_variance, 0.0))
         lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
-        beta, reason, reasons = self.bounds.choose(i, alpha, lower, {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)})
-        beta = torch.where(decided, beta, 0.0)
-        rate = partial(_cast_rate, lambda_min=s.lambda_min)
-        self.pending.append(PendingLayer(self.analysis.layer_names[i], "cast", alpha, beta, decided, reason, reasons, (log_mean, log_std), rate))
+        beta, limit = self.bounds.choose(i, alpha, lower, {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)})
+        rate = cast_underflow_rate(beta, log_mean, log_std, s.lambda_min)
+        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate, None, *limit))
         return beta
 
-    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]) -> Exponent:
+    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]) -> int:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
         node, name = self.graph.nodes[i], self.graph.names[i]
         if name in RNN_NODES:
@@ -370,41 +315,43 @@ class NodeDecisions:
             kind, samples = "attention", [probe(node, grad, k, None, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
         return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad_extremes, alpha)
 
-    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent) -> Exponent:
+    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent) -> int:
         s = self.settings
         if not samples:
             return self.non_finite(i, kind, alpha)
         exact = [ExactSample(v) for v in samples]
-        grad_max = _magnitude(grad_extremes)
-        sample_max = [_magnitude(extremes(v)) for v in samples]
-        decided = finite(torch.stack([grad_max, *sample_max])).all()
-        lower = _largest([v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact], grad_max.device)
-        limits: dict[Bound, float | torch.Tensor] = {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)}
-        gain = self.bounds.gain_out(i)  # whichever edge a sample left by
+        pairs = [grad_extremes, *(extremes(v) for v in samples)]
+        values, orders, alpha = self._read([v for pair in pairs for v in pair], exact, alpha)
+        (grad_max, *sample_max) = [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
+        if not all(map(math.isfinite, (grad_max, *sample_max))):
+            return self.non_finite(i, kind, alpha)
+        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(exact, orders))
+        limits = {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)}
+        gain = max((self.bounds.gain_into(edge) for edge in self.graph.edges[i]), default=1.0)  # whichever edge a sample left by
         for k, m in enumerate(sample_max):
             limits[Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None)] = overflow_max_log2_scale(m * gain, s.lambda_max)
-        beta, reason, reasons = self.bounds.choose(i, alpha, lower, limits)
-        beta = torch.where(decided, beta, 0.0)
-        measured = tuple(v.underflow_count(beta, s.lambda_min) for v in exact)
-        self.pending.append(PendingLayer(self.analysis.layer_names[i], kind, alpha, beta, decided, reason, reasons, measured=measured, measured_is_rate=True))
+        beta, limit = self.bounds.choose(i, alpha, lower, limits)
+        measured = [v.underflow_count(beta, s.lambda_min) for v in exact]
+        self._add(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, math.nan, None, *limit), [], measured, measured_is_rate=True)
         return beta
 
-    def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> torch.Tensor:
+    def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> int:
         """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
-        upper = overflow_max_log2_scale(_magnitude(grad_extremes), self.settings.lambda_max)
-        beta = torch.where(finite(upper), torch.ceil(upper) - 1.0 - self.settings.recipe.opaque_probe_headroom_log2, 0.0)
+        (low, high), _, alpha = self._read(list(grad_extremes), [], alpha)
+        grad_max = magnitude(low, high)
+        upper = overflow_max_log2_scale(grad_max, self.settings.lambda_max)
+        beta = math.ceil(upper) - 1 - self.settings.recipe.opaque_probe_headroom_log2 if math.isfinite(upper) else 0
         ceiling = self.bounds.ceiling(i, alpha)
-        beta = beta if ceiling is None else torch.minimum(beta, torch.as_tensor(ceiling, dtype=torch.float64, device=beta.device))
+        beta = beta if ceiling is None else min(beta, ceiling)
         self.opaque_probes[i] = (beta, upper)
         return beta
 
-    def settle_opaque(self, i: int, out: list[torch.Tensor | None], alpha: Exponent) -> Exponent:
+    def settle_opaque(self, i: int, out: list[torch.Tensor | None], alpha: int) -> int:
         """Scale an opaque region as a dynamic loss scale would: one binade below the overflow of what entered or left it.
 
         What left it was computed at the probe scale; it is shifted (exactly, a power of two) to the
         scale chosen, which the iterations until the next update replay. Returns the scale its
-        outgoing gradients carry; ``out`` is shifted in place. Where what left it is not finite, the step is
-        skipped and the back-off lowers the probe: it stays at the probe scale.
+        outgoing gradients carry; ``out`` is shifted in place.
         """
         probe, upper_in = self.opaque_probes.pop(i)
         alpha_in, name = alpha - probe, self.analysis.layer_names[i]
@@ -412,45 +359,51 @@ class NodeDecisions:
         pairs = [extremes(g) for g in grads]
         if pairs:
             self.finite_flags.append((name, tuple(v for pair in pairs for v in pair)))
-        maxima = [_magnitude(pair) for pair in pairs]
-        upper = torch.stack([upper_in, *(probe + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima)]).amin()
-        beta = torch.where(finite(upper), torch.ceil(upper) - 2.0, 0.0)  # one binade of margin below the largest
+        maxima = magnitudes(pairs)
+        if not all(map(math.isfinite, maxima)):  # the step is skipped; the back-off lowers the probe
+            self.layers.append(LayerScale(name, "opaque", probe, alpha, math.nan))
+            return alpha
+        upper = min([upper_in] + [probe + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima])
+        beta = math.ceil(upper) - 2 if math.isfinite(upper) else 0  # one binade of margin below the largest
         ceiling = self.bounds.ceiling(i, alpha_in)
-        beta = beta if ceiling is None else torch.minimum(beta, torch.as_tensor(ceiling, dtype=torch.float64, device=beta.device))
-        outputs_finite = finite(torch.stack(maxima)).all() if maxima else True
-        beta = torch.where(outputs_finite, beta, probe)
+        beta = beta if ceiling is None else min(beta, ceiling)
         for k, g in enumerate(out):
             out[k] = times_pow2(g, beta - probe) if g is not None and g.is_floating_point() else g
-        measured = tuple(ExactSample(g).underflow_count(beta - probe, self.settings.lambda_min) for g in grads if g.numel())
-        self.pending.append(PendingLayer(name, "opaque", alpha_in, beta, outputs_finite, measured=measured, if_none=math.nan, measured_is_rate=True))
+        measured = [ExactSample(g).underflow_count(beta - probe, self.settings.lambda_min) for g in grads if g.numel()]
+        self._add(LayerScale(name, "opaque", beta, alpha_in + beta, math.nan), [], measured, if_none=math.nan, measured_is_rate=True)
         return alpha_in + beta
 
+    def _add(self, layer: LayerScale, modelled: list[float], measured: list[Rate], if_none: float = 0.0, measured_is_rate: bool = False) -> None:
+        """Record ``layer`` with its underflow rates: now where every one was counted on the host, else once they are read."""
+        rates = UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate)
+        if rates.tensors():
+            self.layers.append(layer)
+            self.unread_rates.append(rates)
+        else:
+            self.layers.append(rates.applied_to(layer, iter(())))
+
     def non_finite(self, i: int, kind: str, alpha: Exponent) -> int:
-        """No decision (no statistics readable to decide on): the scale passes through."""
-        self.pending.append(PendingLayer(self.analysis.layer_names[i], kind, alpha, 0))
+        """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, self.host(alpha), math.nan))
         return 0
 
+    def _read(self, values: list[torch.Tensor], samples: list[ExactSample], alpha: Exponent) -> tuple[list[float], list[OrderStatistics], int]:
+        """:func:`~gs_lightning.scaling.gradient_stats.stats_and_samples` of a decision's statistics, with the scale
+        ``alpha`` its gradient carries where a merge left it on the device: one synchronisation."""
+        unread = isinstance(alpha, torch.Tensor)
+        read_values, orders = stats_and_samples([*values, alpha] if unread else values, samples, self.settings.underflow_rate)
+        if unread:
+            self.read_exponents[alpha] = int(read_values.pop())
+            alpha = self.read_exponents[alpha]
+        return read_values, orders, alpha
 
-def _magnitude(pair: Extremes) -> torch.Tensor:
-    """The largest magnitude from :func:`extremes`, as float64 on their device (NaN if either is)."""
-    low, high = pair
-    return torch.maximum(-low, high).double()
-
-
-def _largest(lowers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The largest of the underflow bounds, ``-inf`` without any."""
-    return torch.stack(lowers).amax() if lowers else torch.full((), -math.inf, dtype=torch.float64, device=device)
-
-
-def _gemm_rates(beta: int, sigmas: list[float], lengths: list[float], lambda_min: float) -> list[float]:
-    """Theorem 1's (or the exact small-N) underflow rate of each output at the scale chosen."""
-    return [gemm_underflow_rate(beta, sigma, lambda_min, n) for sigma, n in zip(sigmas, lengths)]
-
-
-def _cast_rate(beta: int, statistics: list[float], lambda_min: float) -> list[float]:
-    """Theorem 2's underflow rate at the scale chosen, from the log-magnitudes' mean and deviation."""
-    log_mean, log_std = statistics
-    return [cast_underflow_rate(beta, log_mean, log_std, lambda_min)]
+    def host(self, alpha: Exponent) -> int:
+        """The value of ``alpha``: as a decision read it, or read now (one synchronisation) where none did."""
+        if not isinstance(alpha, torch.Tensor):
+            return alpha
+        if alpha not in self.read_exponents:
+            self.read_exponents[alpha] = int(read([alpha])[0])
+        return self.read_exponents[alpha]
 
 
 def _stacked(exponents: list[Exponent], device: torch.device) -> torch.Tensor:

@@ -3,7 +3,6 @@ factors, a first backward's saved gradients under a second), and the scales the 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Container, Iterator, Mapping
 
@@ -11,6 +10,7 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
+from gs_lightning.scaling.gradient_stats import stats
 from gs_lightning.scaling.graph import BATCH_NORM_NODES, AutogradGraph, GraphAnalysis, batch_norm_gain, saved_tensor
 
 
@@ -102,34 +102,26 @@ def node_gain(node: Node, name: str) -> torch.Tensor | None:
     return saved_gradient_gain(node)
 
 
-def node_gains(graph: AutogradGraph) -> dict[int, torch.Tensor]:
-    """Node -> its gain (:func:`node_gain`) where it has one: a 0-dim float64 tensor on the device, nothing read,
-    1 where the gain is not above 1 or not finite."""
-    gains = {}
-    for j, name in enumerate(graph.names):
-        gain = node_gain(graph.nodes[j], name)
-        if gain is not None:
-            gain = gain.double()
-            gains[j] = torch.where((gain > 1.0) & (gain < math.inf), gain, 1.0)
-    return gains
+def node_gains(graph: AutogradGraph) -> dict[int, float]:
+    """Node -> its gain above 1 (:func:`node_gain`), read in one synchronisation; empty, and nothing read, without any."""
+    found = [(j, gain) for j, name in enumerate(graph.names) if (gain := node_gain(graph.nodes[j], name)) is not None]
+    values = stats(*(gain for _, gain in found)) if found else []
+    return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
 
 
-def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, float]) -> dict[int, float]:
     """Node -> how much the gradient it receives can grow before the next decision point, branch or
-    leaf sees it: the product of the ``gains`` on the way (the node's own included), the largest over
-    the paths, on the device. Nodes with no gain on their way are left out (theirs is 1)."""
+    leaf sees it: the product of the batch-norm ``gains`` on the way (the node's own included), the
+    largest over the paths. Nodes where that is 1 are left out."""
     if not gains:
         return {}
 
     def targets(node: int) -> list[int]:  # a branch bounds its sum again
         return [edge[0] for edge in graph.edges[node] if edge is not None and edge not in analysis.branch_slots]
 
-    grown: dict[int, torch.Tensor] = {}
+    grown: dict[int, float] = {}
     for node in post_order(len(graph.nodes), targets, analysis.leaves | analysis.layer_names.keys()):
-        below = [grown[t] for t in targets(node) if t in grown]  # every gain is at least 1: the others' 1 never wins
-        largest = functools.reduce(torch.maximum, below) if below else None
-        own = gains.get(node)
-        gain = own if largest is None else largest if own is None else own * largest
-        if gain is not None:
+        gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets(node)), default=1.0)
+        if gain > 1.0:
             grown[node] = gain
     return grown

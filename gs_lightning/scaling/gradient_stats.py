@@ -1,4 +1,4 @@
-"""The statistics an update's decisions take of a gradient on its device, and the one read of what an update left there."""
+"""The statistics an update's decisions read of a gradient, taken on its device and read in one synchronisation."""
 
 from __future__ import annotations
 
@@ -7,6 +7,27 @@ import math
 import torch
 
 from gs_lightning.scaling.probes import detached
+from gs_lightning.scaling.underflow import ExactSample
+
+
+def stats(*values: torch.Tensor) -> list[float]:
+    """Statistics to the host in one synchronisation."""
+    return torch.stack([v.float() for v in values]).tolist()
+
+
+OrderStatistics = tuple[float, list[float]]  # an ExactSample's nonzero count and smallest values, read
+
+
+def stats_and_samples(values: list[torch.Tensor], samples: list[ExactSample], target: float) -> tuple[list[float], list[OrderStatistics]]:
+    """:func:`stats` of ``values``, and what :meth:`ExactSample.min_log2_scale` reads of each sample, in one synchronisation."""
+    smallest = [v.smallest(target) for v in samples]
+    scalars = torch.stack([v.float() for v in (*values, *(v.nonzero_count for v in samples))])
+    read = torch.cat([scalars, *smallest]).tolist() if smallest else scalars.tolist()
+    counts, position, orders = read[len(values) : len(values) + len(samples)], len(values) + len(samples), []
+    for count, tail in zip(counts, smallest):
+        orders.append((count, read[position : position + tail.numel()]))
+        position += tail.numel()
+    return read[: len(values)], orders
 
 
 def rms(t: torch.Tensor) -> torch.Tensor:
@@ -20,13 +41,25 @@ Extremes = tuple[torch.Tensor, torch.Tensor]  # (smallest, largest) element of a
 def extremes(t: torch.Tensor) -> Extremes:
     """The smallest and largest element, in one kernel: both finite iff every element is, NaN if one is.
 
-    Through ``aminmax`` (on a CPU ``vector_norm(ord=inf)`` measured 12-20x slower).
+    Through ``aminmax`` (on a CPU ``vector_norm(ord=inf)`` measured 12-20x slower); the largest
+    magnitude is taken on the host (:func:`magnitudes`), which saves two kernels per tensor.
     """
     if t.numel() == 0:
         zero = torch.zeros((), device=t.device)
         return zero, zero
     low, high = torch.aminmax(memory_order(detached(t)))
     return low, high
+
+
+def magnitude(low: float, high: float) -> float:
+    """The largest magnitude, from :func:`extremes` read to the host (NaN if either is)."""
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+def magnitudes(pairs: list[Extremes]) -> list[float]:
+    """:func:`magnitude` of each pair of :func:`extremes`, in one synchronisation."""
+    values = stats(*(v for pair in pairs for v in pair)) if pairs else []
+    return [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
 
 
 def memory_order(t: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,6 @@ class GraphScales:
         backwards: Backwards of this structure run so far: its update schedule counts these.
         last_skip: :attr:`backwards` at the last skipped step it took part in.
         force_update: Whether its next backward decides the scales again (a skipped step, the drift).
-        measured_weights: The GEMMs whose weight gradients its next update computes in full for their measured
-            bound (:attr:`Settings.measured_weights <gs_lightning.scaling.bounds.Settings.measured_weights>`).
     """
 
     def __init__(self, names: tuple[str, ...], edges: tuple, drift: GradientDrift) -> None:
@@ -53,13 +51,11 @@ class GraphScales:
         self.drift = drift
         self.layer_backoff = LayerBackoff()
         self._layers: dict[str, LayerScale] = {}
-        self._updated: list[LayerScale] = []  # the last update's layers in its order, which its unread rates index
         self._first_non_finite: str | None = None
         self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
-        self.measured_weights: frozenset[int] | None = None
 
     @property
     def layers(self) -> dict[str, LayerScale]:
@@ -80,7 +76,6 @@ class GraphScales:
 
     def keep_update(self, layers: list[LayerScale], flags: FiniteFlags, rates: list[UnreadRates]) -> None:
         """An update's layers, finiteness flags and underflow counts, to read with the step's (:meth:`unread`)."""
-        self._updated = list(layers)
         self._layers = {layer.name: layer for layer in layers}
         self._first_non_finite, self._unread = None, (list(flags), list(rates))
 
@@ -93,7 +88,7 @@ class GraphScales:
 
     def take_reading(self, values: list[float]) -> None:
         """:meth:`unread` as read (in order): the first non-finite layer and the layers' underflow rates."""
-        (flags, rates), layers = self._unread, self._updated
+        (flags, rates), layers = self._unread, list(self._layers.values())
         flagged = sum(len(flag) for _, flag in flags)
         self._first_non_finite = first_non_finite(flags, values[:flagged])
         counts = iter(values[flagged:])

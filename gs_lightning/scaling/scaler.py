@@ -8,9 +8,8 @@ How it runs, in brief:
 * On an **update** iteration (a structure's first, after a skipped step, when the gradients drifted a binade below the last update's or a weight gradient rose
   above what the last update expected of it by more than its layer's margin, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
-  (:mod:`~gs_lightning.scaling.update`); each decision takes a few statistics of the gradient
-  at hand and chooses its scale on the device, and what they chose is read once, when the backward
-  is complete: that is its only host-device synchronisation.
+  (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
+  at hand: that is the only host-device synchronisation.
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
   synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
@@ -225,10 +224,10 @@ class GradientScaler:
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``.
 
-        Between updates the backward does not synchronise with the device. On an update iteration
-        (:attr:`update_iterations` counts them) every scale is chosen on the device as autograd runs, and
-        the backward synchronises once, when it is complete, to read what was chosen; a backward that
-        records a graph (``create_graph=True``) also reads each scale it multiplies by.
+        Between updates the backward does not synchronise with the device. On an update iteration it
+        synchronises once per decision point (GEMM, cast, fused kernel, opaque region), each reading its
+        statistics (:attr:`update_iterations` counts those iterations); where gradients at different scales
+        merge, the common scale is taken on the device and read with the next decision's statistics.
         """
         try:
             self.scale(loss).backward(retain_graph=retain_graph)

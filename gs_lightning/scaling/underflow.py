@@ -1,7 +1,7 @@
 """The statistical model of underflow (Zhao et al., IJCAI 2020, §3-4.2), in log2 space.
 
-Pure functions on a handful of statistics, exact arithmetic that runs only on scale-update iterations:
-on host floats, or on 0-dim tensors on the gradients' device (what an update decides, unread until its end). Scales are powers of two and handled as their
+Pure functions on a handful of statistics (host floats; the branch rule's on the device, unread), exact
+arithmetic that runs only on scale-update iterations. Scales are powers of two and handled as their
 integer exponents: multiplying by ``2.0 ** k`` is exact in every binary float format.
 
 Where this deviates from the paper, and why (issue #8; Monte Carlo: ``python -m
@@ -23,6 +23,7 @@ gs_lightning.analysis.underflow_mc``, γ' = 1e-3, measured underflow at the chos
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from statistics import NormalDist
@@ -68,25 +69,21 @@ def gemm_underflow_rate(
 
 
 def gemm_min_log2_scale(
-    sigma: float | torch.Tensor, lambda_min: float, target: float, accumulation_length: float = math.inf
-) -> float | torch.Tensor:
+    sigma: float, lambda_min: float, target: float, accumulation_length: float = math.inf
+) -> float:
     """:func:`gemm_underflow_rate` solved for α: the real log2 of the smallest scale with γ(α) ≤ target.
 
     Returns ``-inf`` when the output is all zeros (no scale can help, none is needed) or already
-    non-finite (the step will be skipped whatever the scale). ``sigma`` a 0-dim tensor: the same
-    on its device, nothing read.
+    non-finite (the step will be skipped whatever the scale).
     """
+    if not 0.0 < sigma < math.inf:
+        return -math.inf
     _check_target(target)
     n = _checked_length(accumulation_length)
-    on_device = isinstance(sigma, torch.Tensor)
-    if not on_device and not 0.0 < sigma < math.inf:
-        return -math.inf
-    log2 = torch.log2 if on_device else math.log2
     if n >= GAUSSIAN_ACCUMULATION_LENGTH:
-        value = log2(lambda_min / (_SQRT2 * sigma * erfinv(target)))
-    else:  # γ(α) = F_N(λmin √N / (α σ)) ≤ target  ⟺  α ≥ λmin √N / (σ F_N⁻¹(target))
-        value = log2(lambda_min * math.sqrt(n) / (sigma * product_sum_quantile(target, n)))
-    return torch.where((sigma > 0.0) & (sigma < math.inf), value, -math.inf) if on_device else value
+        return math.log2(lambda_min / (_SQRT2 * sigma * erfinv(target)))
+    # γ(α) = F_N(λmin √N / (α σ)) ≤ target  ⟺  α ≥ λmin √N / (σ F_N⁻¹(target))
+    return math.log2(lambda_min * math.sqrt(n) / (sigma * product_sum_quantile(target, n)))
 
 
 def product_sum_cdf(x: float, accumulation_length: float) -> float:
@@ -179,39 +176,20 @@ def cast_underflow_rate(log2_scale: float, log_mean: float, log_std: float, lamb
     return 0.5 * (1.0 + math.erf(distance / (_SQRT2 * log_std)))
 
 
-def overflow_max_log2_scale(largest_output: float | torch.Tensor, lambda_max: float) -> float | torch.Tensor:
-    """Real log2 of the bound on α from α · largest_output < λmax (``inf`` when unconstrained: zero or non-finite).
-
-    ``largest_output`` a tensor: the bound on its device, nothing read.
-    """
-    if isinstance(largest_output, torch.Tensor):
-        bounded = (largest_output > 0.0) & (largest_output < math.inf)
-        return torch.where(bounded, torch.log2(lambda_max / largest_output), math.inf)
+def overflow_max_log2_scale(largest_output: float, lambda_max: float) -> float:
+    """Real log2 of the bound on α from α · largest_output < λmax (``inf`` when unconstrained)."""
     if not largest_output > 0.0 or not math.isfinite(largest_output):
         return math.inf
     return math.log2(lambda_max / largest_output)
 
 
-def finite(values: torch.Tensor) -> torch.Tensor:
-    """``torch.isfinite`` in two kernels (it takes four or five): an update runs it on a few 0-dim tensors per decision."""
-    return values.abs() < math.inf
-
-
-def choose_log2_scale(
-    lower: float | torch.Tensor, upper: float | torch.Tensor, ceiling: int | torch.Tensor | None = None
-) -> int | torch.Tensor:
+def choose_log2_scale(lower: float, upper: float, ceiling: int | None = None) -> int:
     """Pick the exponent of a power-of-two scale (paper §4.2).
 
     The smallest power of two meeting the underflow bound ``lower`` (rounded **up**), but not
     below 2^0; less than 2^0 only when the strict overflow bound ``upper`` allows no scale ≥ 1
-    (rounded **down**, so that α < 2^upper holds strictly). ``ceiling`` caps the result. Bounds given
-    as tensors: a 0-dim float64 tensor on their device, nothing read.
+    (rounded **down**, so that α < 2^upper holds strictly). ``ceiling`` caps the result.
     """
-    if isinstance(lower, torch.Tensor):
-        upper = torch.as_tensor(upper, dtype=lower.dtype, device=lower.device)
-        exponent = torch.where(finite(lower), torch.ceil(lower).clamp(min=0.0), 0.0)
-        exponent = torch.where(finite(upper), torch.minimum(exponent, torch.ceil(upper) - 1.0), exponent)
-        return exponent if ceiling is None else torch.minimum(exponent, torch.as_tensor(ceiling, dtype=lower.dtype, device=lower.device))
     exponent = max(math.ceil(lower), 0) if math.isfinite(lower) else 0
     if math.isfinite(upper):
         exponent = min(exponent, math.ceil(upper) - 1)
@@ -227,7 +205,7 @@ def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, 
     (or their sum, for a sum). Returns the largest α_j with 2^α_j · largest_true_value < λmax, a 0-dim tensor; if
     none fits, the smallest halved until one does. A non-finite or zero ``largest_true_value`` bounds nothing.
     """
-    bounded = (largest_true_value > 0.0) & (largest_true_value < math.inf)
+    bounded = (largest_true_value > 0.0) & torch.isfinite(largest_true_value)
     bound = torch.where(bounded, torch.log2(lambda_max / largest_true_value), math.inf)
     fits = incoming < bound
     largest_fitting = torch.where(fits, incoming, -math.inf).amax()
@@ -259,7 +237,7 @@ def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float
 
     One host synchronisation. Returns ``-inf`` if all values are zero (no scale is needed).
     """
-    return ExactSample(values).min_log2_scale(lambda_min, target).item()
+    return ExactSample(values).min_log2_scale(lambda_min, target)
 
 
 def sample_underflow_rate(values: torch.Tensor, log2_scale: int, lambda_min: float) -> float:
@@ -271,10 +249,12 @@ def sample_underflow_rate(values: torch.Tensor, log2_scale: int, lambda_min: flo
 
 
 class ExactSample:
-    """Exact values of a gradient, prepared once for :meth:`min_log2_scale` and :meth:`underflow_count`.
+    """Exact values of a gradient, prepared once for :meth:`min_log2_scale` and :meth:`underflow_rate`.
 
-    An update asks both of every probe (the scale, then the rate measured at the scale chosen): the
-    magnitudes and their nonzero count are taken once. Both stay on the values' device, unread.
+    An update asks both of every probe (the scale, then the rate measured at the scale chosen):
+    the magnitudes and their nonzero count are taken once, and the rate needs no second count.
+    What :meth:`min_log2_scale` reads (:attr:`nonzero_count` and :meth:`smallest`) can be read
+    with a decision's other statistics, in one synchronisation.
 
     Attributes:
         nonzero_count: How many values are nonzero (and not NaN), a 0-dim int64 tensor.
@@ -285,6 +265,8 @@ class ExactSample:
         nonzero = magnitudes > 0
         self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
         self.nonzero_count = nonzero.sum()  # int64: a float32 sum of booleans measured 2.5x slower
+        self._count: int | None = None  # the nonzero count, once read
+        self._smallest: list[float] = []  # the smallest magnitudes, ascending, once read
 
     def smallest(self, target: float) -> torch.Tensor:
         """The smallest magnitudes, as many as any rank :meth:`min_log2_scale` may pick for ``target``."""
@@ -293,31 +275,42 @@ class ExactSample:
         # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
         return positive.topk(min(positive.numel(), math.floor(target * positive.numel()) + 1), largest=False).values
 
-    def min_log2_scale(self, lambda_min: float, target: float) -> torch.Tensor:
-        """:func:`sample_min_log2_scale` of these values: a 0-dim float64 tensor on their device, nothing read.
+    def min_log2_scale(self, lambda_min: float, target: float, read: tuple[float, list[float]] | None = None) -> float:
+        """:func:`sample_min_log2_scale` of these values.
 
-        The rank :func:`confident_rank` gives the nonzero count is found on the device (:func:`confident_ranks`).
+        ``read``: :attr:`nonzero_count` and :meth:`smallest` (``target``) as read by the caller;
+        read here if not given.
         """
-        smallest = self.smallest(target).double()
-        n = self.nonzero_count
-        if smallest.numel() == 0:
-            return torch.full((), -math.inf, dtype=torch.float64, device=n.device)
-        rank = confident_ranks(n, smallest.numel(), target, CONFIDENCE_RISK)
-        fallback = smallest[0] * target / -torch.expm1(math.log(CONFIDENCE_RISK) / n.clamp(min=1).double())
-        ranked = smallest.index_select(0, (rank - 1).clamp(min=0).reshape(1))[0]  # indexing by a tensor would read it
-        threshold = torch.where(rank >= 1, ranked, fallback)
-        return torch.where(n > 0, torch.log2(lambda_min / threshold), -math.inf)
+        if read is None:
+            count, *smallest_values = torch.cat([self.nonzero_count.reshape(1).float(), self.smallest(target)]).tolist()
+        else:
+            _check_target(target)
+            count, smallest_values = read
+        n = self._count = int(count)
+        self._smallest = smallest_values
+        if n == 0:
+            return -math.inf
+        rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
+        if rank >= 1:
+            threshold = smallest_values[rank - 1]
+        else:
+            threshold = smallest_values[0] * target / -math.expm1(math.log(CONFIDENCE_RISK) / n)
+        return math.log2(lambda_min / threshold)
 
     def underflow_rate(self, log2_scale: int, lambda_min: float) -> float:
         """:func:`sample_underflow_rate` of these values (reading what :meth:`underflow_count` counts on the device)."""
-        return counted_rate(*torch.stack(self.underflow_count(log2_scale, lambda_min)).tolist())
+        rate = self.underflow_count(log2_scale, lambda_min)
+        return rate if isinstance(rate, float) else counted_rate(*torch.stack(rate).tolist())
 
-    def underflow_count(self, log2_scale: int | torch.Tensor, lambda_min: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """How many values fall below ``lambda_min`` at the scale ``2^log2_scale``, and how many are nonzero:
-        0-dim tensors on the device, unread (:func:`counted_rate` of them is the rate)."""
-        # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first. The fp32 values are
-        # compared with the threshold rounded to fp32, as with a Python scalar.
-        threshold = lambda_min * (torch.exp2(-log2_scale) if isinstance(log2_scale, torch.Tensor) else 2.0**-log2_scale)
+    def underflow_count(self, log2_scale: int, lambda_min: float) -> float | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`underflow_rate`, counted on the host without a pass over the values where the smallest ones
+        read by :meth:`min_log2_scale` reach the threshold (a scale that meets γ' leaves fewer below it);
+        elsewhere the counts below it and nonzero, 0-dim tensors on the device, unread (:func:`counted_rate`)."""
+        # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
+        threshold = lambda_min * 2.0**-log2_scale
+        compared = _float32(threshold)  # as the kernel compares the fp32 values with it
+        if self._smallest and compared <= self._smallest[-1]:  # every value below it was read
+            return counted_rate(sum(value < compared for value in self._smallest), self._count or 0)
         return (self._positive < threshold).sum(), self.nonzero_count
 
 
@@ -326,28 +319,38 @@ def counted_rate(below: float, nonzero: float) -> float:
     return below / nonzero if nonzero else 0.0
 
 
+def _float32(value: float) -> float:
+    """``value`` rounded to fp32, as a comparison of an fp32 tensor with a Python scalar rounds the scalar."""
+    return ctypes.c_float(value).value
+
+
 @functools.lru_cache(maxsize=64)
 def _infinity(device: torch.device) -> torch.Tensor:
     """A 0-dim fp32 ``inf`` on ``device``, made once (as a Python scalar, ``where`` would make it every call)."""
     return torch.tensor(math.inf, device=device)
 
 
+@functools.lru_cache(maxsize=4096)
 def confident_rank(n: int, rate: float, risk: float) -> int:
-    """The largest k ≤ n with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none).
+    """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none).
 
     Then the k-th smallest of n samples lies below the distribution's ``rate`` quantile with
-    probability at least 1 − risk.
+    probability at least 1 − risk. Cached: a probe's sample size repeats at every update.
     """
-    return int(confident_ranks(torch.tensor(n), n, rate, risk))
+    log_odds = math.log(rate) - math.log1p(-rate)
+    log_pmf = n * math.log1p(-rate)  # P(Binomial = 0)
+    log_cdf = log_pmf
+    k = 0
+    while k < n and log_cdf <= math.log(risk):
+        log_pmf += math.log((n - k) / (k + 1)) + log_odds
+        log_cdf = _log_add(log_cdf, log_pmf)
+        k += 1
+    return k
 
 
-def confident_ranks(n: torch.Tensor, count: int, rate: float, risk: float) -> torch.Tensor:
-    """min(:func:`confident_rank` (n), ``count``) for a 0-dim count ``n`` on its device, nothing read: how many of
-    P(Binomial(n, rate) ≤ j), j = 0..count − 1, are at most ``risk`` (they rise with j), each from log-gamma."""
-    j = torch.arange(count, dtype=torch.float64, device=n.device)
-    m = n.double()
-    log_pmf = torch.lgamma(m + 1.0) - torch.lgamma(j + 1.0) - torch.lgamma(m - j + 1.0) + j * math.log(rate) + (m - j) * math.log1p(-rate)
-    return ((torch.logcumsumexp(log_pmf, 0) <= math.log(risk)) & (j < m)).sum()
+def _log_add(a: float, b: float) -> float:
+    high, low = max(a, b), min(a, b)
+    return high + math.log1p(math.exp(low - high))
 
 
 def _sample(values: torch.Tensor) -> torch.Tensor:

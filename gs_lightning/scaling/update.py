@@ -2,10 +2,10 @@
 
 The run walks the scales through the graph (merging the scales that meet at a node or a branch, passing
 them on through the nodes that decide nothing); the decision core (:mod:`~gs_lightning.scaling.decide`)
-chooses each decision point's scale from a few statistics of the gradient at hand, on its device: the
-scales stay there, unread, until the backward is complete and they are read in one synchronisation.
-What the run decides becomes a :class:`~gs_lightning.scaling.plan.ScalePlan` that the iterations in
-between replay as constant factors.
+chooses each decision point's scale, reading a few statistics of the gradient at hand (the update
+iteration's only host-device synchronisations). A merge's scale stays on the device until the next
+decision reads it with its own statistics. What the run decides becomes a
+:class:`~gs_lightning.scaling.plan.ScalePlan` that the iterations in between replay as constant factors.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class UpdateRun:
         self._every_node_tracked = False
         self._stash: dict[Slot, list[tuple[torch.Tensor, Exponent]]] = defaultdict(list)
         self._arrived: dict[Slot, int] = defaultdict(int)
-        self.held_weights: frozenset[int] = frozenset()  # GEMMs whose Cauchy–Schwarz bound held their scale (once complete)
         self.bounds = ScaleBounds(graph, analysis, settings, leaves)
         self.decisions = NodeDecisions(graph, analysis, settings, self.bounds)
 
@@ -94,21 +93,19 @@ class UpdateRun:
 
     def complete(self) -> None:
         """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`,
-        and what the decisions chose, into :attr:`layers`: read in one synchronisation, every scale a Python int."""
+        every one a Python int (those no decision read, in one synchronisation)."""
         if not self._every_node_tracked:
             for i in self._pass_through:
                 alpha = self._node_scale(i)
                 for edge in self.graph.edges[i]:
                     if edge is not None and edge[0] not in self.analysis.leaves:
                         self.slot_alpha[edge] = alpha
-        exponents = list({id(v): v for v in (*self.alpha_out.values(), *self.slot_alpha.values()) if isinstance(v, torch.Tensor)}.values())
-        held = self.decisions.held_weights
-        values = iter(read([*exponents, *held.values(), *(t for pending in self.decisions.pending for t in pending.tensors())]))
-        known = {id(v): int(value) for v, value in zip(exponents, values)}
-        self.held_weights = frozenset(i for i, flag in zip(list(held), values) if flag)
-        self.alpha_out = {i: known[id(a)] if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
-        self.slot_alpha = {slot: known[id(a)] if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
-        self.decisions.settle(values)
+        known = self.decisions.read_exponents
+        values = [*self.alpha_out.values(), *self.slot_alpha.values()]
+        unread = list({id(v): v for v in values if isinstance(v, torch.Tensor) and v not in known}.values())
+        known.update(zip(unread, (int(v) for v in read(unread))))
+        self.alpha_out = {i: known[a] if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
+        self.slot_alpha = {slot: known[a] if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
 
     def _needs_post_hook(self, i: int) -> bool:
         """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
@@ -151,23 +148,23 @@ class UpdateRun:
         a = self.analysis
         present = [(s, g) for s, g in enumerate(grad_outputs) if g is not None]
         parts = [(g, self._slot_scale((i, s))) for s, g in present]
-        with torch.no_grad():  # statistics: a backward that records a graph (create_graph) records the products only
-            alpha = self.decisions.common(parts, i) if parts else 0
+        alpha = self.decisions.common(parts, i) if parts else 0
         grads = list(grad_outputs)
         for (s, g), (_, a_s) in zip(present, parts):
             grads[s] = times_pow2(g, shift(alpha, a_s))
         beta = 0
         if present and i in a.layer_names:
             grad = grads[present[0][0]]
-            with torch.no_grad():
-                grad_extremes = extremes(grad)  # the decision's statistic, and its finiteness flag
-                self.decisions.finite_flags.append((a.layer_names[i], grad_extremes))
-                beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
+            grad_extremes = extremes(grad)  # the decision's statistic, and its finiteness flag
+            self.decisions.finite_flags.append((a.layer_names[i], grad_extremes))
+            beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
+        if isinstance(alpha, torch.Tensor):  # as the decision read it
+            alpha = self.decisions.read_exponents.get(alpha, alpha)
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
-    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
+    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
         if i in self.analysis.opaque:
             return self.decisions.opaque_probe(i, grad_extremes, alpha)
         try:
@@ -240,8 +237,7 @@ class UpdateRun:
         if self._arrived[slot] < self.graph.in_counts[slot]:
             return None
         parts = self._stash.pop(slot, [])
-        with torch.no_grad():
-            common = self.slot_alpha[slot] = self.decisions.common(parts, slot[0], summed=True) if parts else alpha
+        common = self.slot_alpha[slot] = self.decisions.common(parts, slot[0], summed=True) if parts else alpha
         total = None
         for part, a in parts:  # in arrival order, as autograd itself would sum them
             term = times_pow2(part, shift(common, a))

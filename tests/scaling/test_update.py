@@ -123,7 +123,6 @@ def test_a_product_by_a_constant_counts_as_a_gain() -> None:
     (a gradient penalty): an update counts a product by a constant scalar as a gain, as it does a batch norm's."""
     x = torch.randn(4, 8, requires_grad=True)
     graph = walk(((x * 64.0).tanh() * 0.5).sum().grad_fn)
-    gains = node_gains(graph)  # on the device, unread
-    assert {graph.names[j] for j in gains} == {"MulBackward0"}
-    assert sorted(gain.item() for gain in gains.values()) == [1.0, 64.0]  # the product by 0.5 is no gain
+    gains = {graph.names[j]: gain for j, gain in node_gains(graph).items()}
+    assert gains == {"MulBackward0": 64.0}
 

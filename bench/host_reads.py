@@ -1,7 +1,8 @@
 """Host reads of GradientScaler per iteration: in the backward and in the step, on an update iteration and on a replay.
 
 On a GPU each host read (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``...) waits for every
-kernel queued before it. This counts them by wrapping those calls (any device), and on CUDA also
+kernel queued before it. This counts them by wrapping those calls (any device), with the scalar reads torch
+makes by itself (a dispatch mode sees ``aten._local_scalar_dense``), and on CUDA also
 counts the synchronisations torch itself reports (``torch.cuda.set_sync_debug_mode("warn")``),
 next to ``torch.amp.GradScaler``'s, on ResNet-18 and a Transformer encoder under fp16 autocast:
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
 
@@ -31,16 +33,35 @@ from gs_lightning import GradientScaler
 _TENSOR_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
 
+class _ScalarReads(TorchDispatchMode):
+    """Counts the scalar reads no wrapped call shows (indexing by a 0-dim tensor, ``int(t)`` inside torch)."""
+
+    def __init__(self, counts: Counter, inside: list[int]) -> None:
+        super().__init__()
+        self.counts, self.inside = counts, inside
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not self.inside[0]:
+            self.counts["scalar read"] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def counting_host_reads() -> Iterator[Counter]:
-    """Count the calls of :data:`_TENSOR_READS` and ``torch.nonzero`` made inside the block, by name."""
+    """Count the calls of :data:`_TENSOR_READS` and ``torch.nonzero`` made inside the block, by name, and the scalar
+    reads torch makes by itself (``aten._local_scalar_dense`` outside those calls)."""
     counts: Counter = Counter()
     originals = {name: getattr(torch.Tensor, name) for name in _TENSOR_READS}
+    inside = [0]  # depth of wrapped calls: their own scalar reads are counted once, by name
 
     def counted(name: str, original: Callable) -> Callable:
         def call(*args, **kwargs):
             counts[name] += 1
-            return original(*args, **kwargs)
+            inside[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] -= 1
 
         return call
 
@@ -49,7 +70,8 @@ def counting_host_reads() -> Iterator[Counter]:
         for name, original in originals.items():
             setattr(torch.Tensor, name, counted(name, original))
         torch.nonzero = counted("nonzero", nonzero)
-        yield counts
+        with _ScalarReads(counts, inside):
+            yield counts
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)

@@ -51,6 +51,7 @@ class GraphScales:
         self.drift = drift
         self.layer_backoff = LayerBackoff()
         self._layers: dict[str, LayerScale] = {}
+        self._updated: list[LayerScale] = []  # the last update's layers in its order, which its unread rates index
         self._first_non_finite: str | None = None
         self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
         self.backwards = 0
@@ -76,6 +77,7 @@ class GraphScales:
 
     def keep_update(self, layers: list[LayerScale], flags: FiniteFlags, rates: list[UnreadRates]) -> None:
         """An update's layers, finiteness flags and underflow counts, to read with the step's (:meth:`unread`)."""
+        self._updated = list(layers)
         self._layers = {layer.name: layer for layer in layers}
         self._first_non_finite, self._unread = None, (list(flags), list(rates))
 
@@ -88,7 +90,7 @@ class GraphScales:
 
     def take_reading(self, values: list[float]) -> None:
         """:meth:`unread` as read (in order): the first non-finite layer and the layers' underflow rates."""
-        (flags, rates), layers = self._unread, list(self._layers.values())
+        (flags, rates), layers = self._unread, self._updated
         flagged = sum(len(flag) for _, flag in flags)
         self._first_non_finite = first_non_finite(flags, values[:flagged])
         counts = iter(values[flagged:])

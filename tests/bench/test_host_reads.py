@@ -17,6 +17,9 @@ def test_the_counter_sees_every_kind_of_host_read(host_reads) -> None:
         t.sum().item(), t.tolist(), bool(t[0]), float(t[0]), int(t[0]), t.cpu(), t.numpy(), torch.nonzero(t)
     assert counts == {name: 1 for name in (*host_reads._TENSOR_READS, "nonzero")}
     assert t.sum().item() == 3.0  # restored
+    with host_reads.counting_host_reads() as counts:
+        t[torch.tensor(1)]  # indexing by a 0-dim tensor reads it, inside torch
+    assert counts == {"scalar read": 1}
 
 
 @pytest.mark.parametrize("model", ["resnet18", "transformer_encoder"])

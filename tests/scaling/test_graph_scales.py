@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling.graph_scales import MAX_GRAPHS
+from gs_lightning.scaling.decide import LayerScale, UnreadRates
+from gs_lightning.scaling.drift import GradientDrift
+from gs_lightning.scaling.graph_scales import MAX_GRAPHS, GraphScales
 
 ITERATIONS, INTERVAL = 60, 10
 
@@ -127,3 +129,14 @@ def test_at_most_max_graphs_structures_are_kept() -> None:
     before = scaler.update_iterations
     scaler.scale(F.cross_entropy(models[0](x), y)).backward()  # the least recent went first: decided again
     assert scaler.update_iterations == before + 1
+
+
+def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> None:
+    """The rates counted on the device index the update's layers in its order; two layers of one name (the
+    by-name view keeps the last) must not shift them onto another layer, nor past the end."""
+    scales = GraphScales((), (), GradientDrift(10, 65504.0, 1.0, 8))
+    layers = [LayerScale(name, "gemm", 0, 0, math.nan) for name in ("a", "a", "b")]
+    counts = (torch.tensor(1), torch.tensor(4))  # 1 of 4 nonzero values below λmin
+    scales.keep_update(layers, [], [UnreadRates(2, (), (counts,), 0.0, False)])
+    scales.take_reading([1.0, 4.0])
+    assert scales.layers["b"].underflow_rate == 0.25 and math.isnan(scales.layers["a"].underflow_rate)

@@ -9,30 +9,50 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")  # Tensor methods that read to the host
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Records the reads of a tensor's value that no Python method shows (indexing by a tensor, ``int(t)`` in C++)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.calls.append("_local_scalar_dense")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def counting_reads() -> Iterator[list[str]]:
-    """The names of the host reads (``item``, ``tolist``) made inside the block."""
+    """The names of the host reads (:data:`READS`, ``torch.nonzero``, and every scalar read) made inside the block."""
     calls: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+    nonzero = torch.nonzero
 
-    def counted(name: str):
-        def read(self, *args, **kwargs):
+    def counted(name: str, original):
+        def read(*args, **kwargs):
             calls.append(name)
-            return originals[name](self, *args, **kwargs)
+            return original(*args, **kwargs)
 
         return read
 
-    for name in originals:
-        setattr(torch.Tensor, name, counted(name))
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    torch.nonzero = counted("nonzero", nonzero)
     try:
-        yield calls
+        with _ScalarReads(calls):
+            yield calls
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.nonzero = nonzero
 
 
 def _held_down() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -74,29 +94,38 @@ def test_the_underflow_an_update_counted_on_the_device_is_read_with_the_step() -
 
 
 class _Residual(nn.Module):
-    """h = first(x); head(h + inner(h)): h's gradient is the sum of two parts, the one through ``inner`` scaled further."""
+    """``depth`` blocks h + inner(h) after a first layer: each block's input gradient is the sum of two parts, the one
+    through ``inner`` at a scale of its own (its weights are small)."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int) -> None:
         super().__init__()
-        self.first, self.inner, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.first, self.head = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.inner = nn.ModuleList(nn.Linear(32, 32) for _ in range(depth))
         with torch.no_grad():
-            self.inner.weight.mul_(2.0**-12)  # its ∇X is small: inner decides a scale of its own, the branch merges two
+            for layer in self.inner:
+                layer.weight.mul_(2.0**-12)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.first(x)
-        return self.head(h + self.inner(h))
+        for layer in self.inner:
+            h = h + layer(h)
+        return self.head(h)
 
 
 def test_a_merge_of_different_scales_reads_nothing_the_next_decision_reads_it() -> None:
-    torch.manual_seed(0)
-    model, x = _Residual(), torch.randn(64, 16)
-    scaler = GradientScaler(model, recipe="paper")  # Algorithm 1 alone: one read per decision, no rule reads more
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(x).float().pow(2).sum()
-    with counting_reads() as reads:
-        scaler.backward(loss)
-    layers = {layer.name: layer for layer in scaler.layers()}
-    assert layers["inner"].log2_total != layers["head"].log2_total  # the two parts carried different scales
-    assert len(reads) == len(layers) == 4  # head's cast, head, inner, first: none for the merge
-    scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
-    assert not scaler.found_inf and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    """Algorithm 1 alone (the paper preset: no rule reads more): one read per decision, whatever the depth; the
+    merges' common scales are taken on the device and read with the next decision's statistics."""
+    for depth in (1, 6):
+        torch.manual_seed(0)
+        model, x = _Residual(depth), torch.randn(64, 16)
+        scaler = GradientScaler(model, recipe="paper")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).sum()
+        with counting_reads() as reads:
+            scaler.backward(loss)
+        layers = {layer.name: layer for layer in scaler.layers()}
+        assert len(layers) == depth + 3  # head's cast, head, the inner layers, first
+        assert layers["inner.0"].log2_total != layers["head"].log2_total  # the merged parts carried different scales
+        assert reads == ["tolist"] * len(layers)
+        scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+        assert not scaler.found_inf

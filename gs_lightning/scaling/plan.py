@@ -68,8 +68,12 @@ def shift(target: Exponent, carried: Exponent) -> Exponent:
 def times_pow2(grad: torch.Tensor | None, exponent: Exponent) -> torch.Tensor | None:
     """``grad · 2^exponent`` (exact in binary floating point, barring under/overflow), laid out as ``grad``.
 
-    An exponent on the device is not read: the product is taken whatever its value (0 included).
+    An exponent on the device is not read: the product is taken whatever its value (0 included). In a
+    backward that records a graph (``create_graph=True``) it is read (a synchronisation), so that the graph
+    holds the products a replay records, by Python factors, and none for 2^0.
     """
+    if isinstance(exponent, torch.Tensor) and torch.is_grad_enabled():
+        exponent = int(exponent)
     if grad is None or (not isinstance(exponent, torch.Tensor) and not exponent):
         return grad
     return times_factor(grad, torch.exp2(exponent) if isinstance(exponent, torch.Tensor) else 2.0**exponent)

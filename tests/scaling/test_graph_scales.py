@@ -86,6 +86,40 @@ def test_a_gradient_penalty_replays_both_of_its_graphs() -> None:
     assert scaler.update_iterations == 2 * _single_graph_updates()
 
 
+class _Residual(nn.Module):
+    """fp16 residual blocks whose two branches carry different scales: their merge's scale is a device tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.inner, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.inner.weight.mul_(2.0**-12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.head(h + self.inner(h)).float()
+
+
+def test_a_gradient_penalty_through_merges_of_different_scales_replays_both_of_its_graphs() -> None:
+    """The first backward records the scaler's products (create_graph=True): a merge's scale, taken on the device,
+    is read there, so that the update records the Python-factor products a replay records (a third structure
+    and an update more came of the tensor factor's product)."""
+    model = _Residual()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model, "paper", update_interval=INTERVAL)
+    for t in range(3 * INTERVAL):
+        x, _ = _batch(t)
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        grads = torch.autograd.grad(scaler.scale(loss), model.parameters(), create_graph=True)
+        scaler.scale(loss + sum(g.pow(2).sum() for g in grads).sqrt()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.skipped_steps == 0 and len(scaler.graphs) == 2 and scaler.update_iterations == 2 * 3
+
+
 def test_the_scales_of_every_graph_survive_a_checkpoint_and_a_copy() -> None:
     model0, model1 = _mlp(0), _mlp(1, depth=3)
     scaler = GradientScaler(nn.ModuleList([model0, model1]), update_interval=INTERVAL)

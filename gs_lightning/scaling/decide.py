@@ -384,7 +384,7 @@ class NodeDecisions:
 
     def non_finite(self, i: int, kind: str, alpha: Exponent) -> int:
         """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""
-        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, self.host(alpha), math.nan))
+        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, self._host(alpha), math.nan))
         return 0
 
     def _read(self, values: list[torch.Tensor], samples: list[ExactSample], alpha: Exponent) -> tuple[list[float], list[OrderStatistics], int]:
@@ -397,7 +397,7 @@ class NodeDecisions:
             alpha = self.read_exponents[alpha]
         return read_values, orders, alpha
 
-    def host(self, alpha: Exponent) -> int:
+    def _host(self, alpha: Exponent) -> int:
         """The value of ``alpha``: as a decision read it, or read now (one synchronisation) where none did."""
         if not isinstance(alpha, torch.Tensor):
             return alpha

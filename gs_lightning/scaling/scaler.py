@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.step_read import StepRead
+from gs_lightning.scaling.steps import OptimizerSteps
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
 
@@ -95,18 +97,11 @@ class GradientScaler:
         enabled: bool = True,
         **recipe_fields: Any,
     ) -> None:
-        if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
-            raise ValueError(f"GradientScaler: max_consecutive_skips must be None or a positive integer, got {max_consecutive_skips!r}")
+        self._steps = OptimizerSteps(max_consecutive_skips)
         self.recipe = resolve_recipe(recipe, **recipe_fields)
         self.format = float_format(dtype)
-        self.max_consecutive_skips = max_consecutive_skips
         self.enabled = enabled
         self._dtype = dtype
-        self._skipped_steps = 0
-        self._consecutive_skips = 0
-        self._optimizer_stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
-        self._optimizer_found_inf: dict[int, bool] = {}
-        self._skipped_this_iteration = False
         self._warned: set[str] = set()
         self._attached = AttachedModels()
         self._backoff = SkipBackoff(self.recipe)
@@ -135,9 +130,18 @@ class GradientScaler:
         return self._backwards.iteration
 
     @property
+    def max_consecutive_skips(self) -> int | None:
+        """``step`` raises once more steps than this were skipped in a row (``None``: never)."""
+        return self._steps.max_consecutive_skips
+
+    @max_consecutive_skips.setter
+    def max_consecutive_skips(self, value: int | None) -> None:
+        self._steps.max_consecutive_skips = value
+
+    @property
     def skipped_steps(self) -> int:
         """Number of optimizer steps skipped because a gradient was non-finite."""
-        return self._skipped_steps
+        return self._steps.skipped
 
     @property
     def recomputed_steps(self) -> int:
@@ -154,7 +158,7 @@ class GradientScaler:
     @property
     def consecutive_skips(self) -> int:
         """Optimizer steps skipped in a row up to the last one (0 once a step is taken)."""
-        return self._consecutive_skips
+        return self._steps.consecutive
 
     @property
     def first_non_finite(self) -> str | None:
@@ -250,15 +254,8 @@ class GradientScaler:
         ``GradScaler``, the check decides the next :meth:`step` of this optimizer, and a second
         call for the same optimizer before :meth:`update` is an error.
         """
-        if not self.enabled:
-            return
-        stage = self._optimizer_stage.get(id(optimizer))
-        if stage == "unscaled":
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if stage == "stepped":
-            raise RuntimeError("unscale_() is being called after step().")
-        self._optimizer_stage[id(optimizer)] = "unscaled"
-        self._optimizer_found_inf[id(optimizer)] = self._non_finite(optimizer)
+        if self.enabled:
+            self._steps.unscale(optimizer, partial(self._non_finite, optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
@@ -278,19 +275,12 @@ class GradientScaler:
         if not self.enabled:
             optimizer.step(*args, **kwargs)
             return True
-        if self._optimizer_stage.get(id(optimizer)) == "stepped":
-            raise RuntimeError("step() has already been called since the last update().")
-        overflow = self._optimizer_found_inf.pop(id(optimizer), None)
-        if overflow is None:
-            overflow = self._non_finite(optimizer)
-        self._optimizer_stage[id(optimizer)] = "stepped"
-        if overflow:
-            if not self._skipped_this_iteration:
+        if self._steps.overflowed(optimizer, partial(self._non_finite, optimizer)):
+            if self._steps.skip():
                 self._skip()
             return False
         optimizer.step(*args, **kwargs)
-        if not self._skipped_this_iteration:
-            self._consecutive_skips = 0
+        if self._steps.stepped():
             self._attached.save_buffers()
         return True
 
@@ -312,10 +302,8 @@ class GradientScaler:
                 f"GradientScaler.update: new_scale={new_scale!r} has nothing to set; the scales are per layer and "
                 "chosen on update iterations (see scales()). Use update() without an argument."
             )
-        self._optimizer_stage.clear()
-        self._optimizer_found_inf.clear()
+        self._steps.end_iteration()
         self._backwards.end_iteration()
-        self._skipped_this_iteration = False
 
     def scales(self) -> dict[str, float]:
         """{layer name: local scale β last chosen}, for every decision point."""
@@ -356,37 +344,22 @@ class GradientScaler:
         return {
             "recipe": self.recipe.state_dict(),
             "iteration": self._backwards.iteration,
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": self._steps.skipped,
             "recomputed_steps": self._read.recomputed_steps,
             "update_iterations": self._backwards.update_iterations,
-            "consecutive_skips": self._consecutive_skips,
+            "consecutive_skips": self._steps.consecutive,
             "backoff": self._backoff.cap,
             "graphs": self._backwards.graphs.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
-        missing = {"iteration", "skipped_steps", "backoff"} - state.keys()
-        if missing or not {"graphs", "layers"} & state.keys():
-            raise ValueError(
-                f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing or {'graphs'})}; got keys "
-                f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
-                "GradientScaler fresh, it decides its scales on its first backward."
-            )
-        if "recipe" in state:  # this scaler's recipe applies; say where the checkpoint's differed
-            changed = self.recipe.differences(ScalingRecipe.from_state_dict(state["recipe"]))
-            if changed:
-                warnings.warn(
-                    "GradientScaler.load_state_dict: resuming with this scaler's recipe, which differs from the "
-                    "checkpoint's in " + ", ".join(f"{k}={now!r} (was {was!r})" for k, (now, was) in changed.items()),
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        _check_state(state, self.recipe)
         self._backwards.iteration = int(state["iteration"])
-        self._skipped_steps = int(state["skipped_steps"])
+        self._steps.skipped = int(state["skipped_steps"])
         self._read.recomputed_steps = int(state.get("recomputed_steps", 0))
         self._backwards.update_iterations = int(state.get("update_iterations", 0))
-        self._consecutive_skips = int(state.get("consecutive_skips", 0))
+        self._steps.consecutive = int(state.get("consecutive_skips", 0))
         self._backoff.cap = state["backoff"]
         self._backwards.graphs.load_state_dict(state["graphs"] if "graphs" in state else _one_graph_state(state), self._backwards.new_drift)
 
@@ -406,13 +379,11 @@ class GradientScaler:
 
     def _begin_iteration(self) -> None:
         self._backwards.abandon()  # a scale() whose backward never ran, or failed
-        if self._optimizer_stage and "stepped" in self._optimizer_stage.values():
+        if self._steps.any_stepped:
             self.update()
 
     def _skip(self) -> None:
-        self._skipped_this_iteration = True
-        self._skipped_steps += 1
-        self._consecutive_skips += 1
+        """The iteration's first skipped step: cap the scales that overflowed, restore the buffers, stop a diverged run."""
         current = self._backwards.graphs.current
         ran = self._backwards.ran or ([current] if current is not None else [])  # whose gradients this step would have used
         self._backoff.skipped(ran)
@@ -423,15 +394,7 @@ class GradientScaler:
                 f"GradientScaler: a skipped step's forward had left {non_finite} non-finite buffer(s) (e.g. BatchNorm "
                 "running statistics); all buffers were restored to their values before that iteration.",
             )
-        if self.max_consecutive_skips is not None and self._consecutive_skips > self.max_consecutive_skips:
-            first = next((scales.first_non_finite for scales in ran if scales.first_non_finite), None)
-            where = f"layer {first!r}" if first else "the loss (no layer had a non-finite gradient)"
-            raise RuntimeError(
-                f"GradientScaler: {self._consecutive_skips} optimizer steps in a row were skipped for non-finite "
-                f"gradients (max_consecutive_skips={self.max_consecutive_skips}); the first non-finite gradient in "
-                f"backward order on the last update iteration was at {where}. The run has diverged or its forward "
-                "produces inf/NaN: lower the learning rate or check the inputs."
-            )
+        self._steps.check_diverged(lambda: next((scales.first_non_finite for scales in ran if scales.first_non_finite), None))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -453,6 +416,25 @@ def _unflatten(outputs: Outputs, tensors: Iterator[torch.Tensor]) -> Outputs:
     if isinstance(outputs, torch.Tensor):
         return next(tensors)
     return type(outputs)(_unflatten(item, tensors) for item in outputs)
+
+
+def _check_state(state: dict[str, Any], recipe: ScalingRecipe) -> None:
+    """Refuse what is not a GradientScaler's state; warn where its recipe differs from ``recipe``, which applies."""
+    missing = {"iteration", "skipped_steps", "backoff"} - state.keys()
+    if missing or not {"graphs", "layers"} & state.keys():
+        raise ValueError(
+            f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing or {'graphs'})}; got keys "
+            f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
+            "GradientScaler fresh, it decides its scales on its first backward."
+        )
+    changed = recipe.differences(ScalingRecipe.from_state_dict(state["recipe"])) if "recipe" in state else {}
+    if changed:
+        warnings.warn(
+            "GradientScaler.load_state_dict: resuming with this scaler's recipe, which differs from the "
+            "checkpoint's in " + ", ".join(f"{k}={now!r} (was {was!r})" for k, (now, was) in changed.items()),
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -337,6 +337,17 @@ def test_a_diverged_run_stops_naming_the_first_non_finite_layer() -> None:
     assert GradientScaler(max_consecutive_skips=None).max_consecutive_skips is None
 
 
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "3"])
+def test_max_consecutive_skips_is_checked_when_given_and_when_set(value) -> None:
+    with pytest.raises(ValueError, match="max_consecutive_skips must be None or a positive integer"):
+        GradientScaler(max_consecutive_skips=value)
+    scaler = GradientScaler(max_consecutive_skips=5)
+    with pytest.raises(ValueError, match="max_consecutive_skips must be None or a positive integer"):
+        scaler.max_consecutive_skips = value
+    scaler.max_consecutive_skips = 2
+    assert scaler.max_consecutive_skips == 2 and scaler.state_dict()["consecutive_skips"] == 0
+
+
 def test_consecutive_skips_reset_after_a_step() -> None:
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

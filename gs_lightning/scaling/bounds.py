@@ -103,30 +103,34 @@ class ScaleBounds:
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
         self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
-        self.gains_after = gains_after(graph, analysis, node_gains(graph))
+        self.gains_after = gains_after(graph, analysis, node_gains(graph, analysis))
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
         where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
-        maxima, decides = {}, decision_nodes(self.analysis)
+        graph, analysis, maxima = self.graph, self.analysis, {}
+        parameters = analysis.derive("parameter leaves", lambda: {i: parameter_leaves(graph.names, graph.edges, analysis, i) for i in analysis.gemms})
         for i in self.analysis.gemms:
-            leaves = parameter_leaves(self.graph.names, self.graph.edges, self.analysis, i)
+            leaves = parameters[i]
             expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
             level = max((self.settings.level_maxima.get(j, 0.0) for j in leaves), default=0.0)
             if self.settings.recompute and recomputable(self.graph, self.analysis, i, self.leaves.deferred):
                 self.recomputable.add(i)
             if i in self.recomputable and expected > 0.0 and level > 0.0:
                 maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
-                fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i, decides)), default=0.0)
+                fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i)), default=0.0)
                 if fed > 0.0:
                     self.fed_maxima[i] = fed
             elif expected > 0.0:
                 maxima[i] = expected
         return maxima
 
-    def _fed_leaves(self, i: int, decides: set[int]) -> set[int]:
+    def _fed_leaves(self, i: int) -> set[int]:
         """The parameters whose gradients GEMM ``i``'s outgoing gradient reaches before the next decision
         (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
+        return self.analysis.derive(f"fed leaves {i}", lambda: self._find_fed_leaves(i, decision_nodes(self.analysis)))
+
+    def _find_fed_leaves(self, i: int, decides: set[int]) -> set[int]:
         a, found = self.analysis, set()
         # a branch's sum is brought to a common scale: the scale i chose ends there too
         frontier = [e[0] for k, e in enumerate(self.graph.edges[i]) if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots]

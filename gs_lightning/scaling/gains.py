@@ -34,11 +34,10 @@ def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: 
             return gemm_totals[node]
         return kept[node]
 
-    def targets(node: int) -> list[int]:
-        return [edge[0] for edge in graph.edges[node] if edge is not None]
-
-    for node in post_order(len(graph.nodes), targets, analysis.leaves):
-        kept[node] = max((received(t) for t in targets(node)), default=math.inf)
+    targets = analysis.derive("targets", lambda: [[e[0] for e in edges if e is not None] for edges in graph.edges])
+    order = analysis.derive("kept_downstream order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves)))
+    for node in order:
+        kept[node] = max((received(t) for t in targets[node]), default=math.inf)
     return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
 
 
@@ -102,11 +101,17 @@ def node_gain(node: Node, name: str) -> torch.Tensor | None:
     return saved_gradient_gain(node)
 
 
-def node_gains(graph: AutogradGraph) -> dict[int, float]:
+def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> dict[int, float]:
     """Node -> its gain above 1 (:func:`node_gain`), read in one synchronisation; empty, and nothing read, without any."""
-    found = [(j, gain) for j, name in enumerate(graph.names) if (gain := node_gain(graph.nodes[j], name)) is not None]
+    candidates = analysis.derive("gain nodes", lambda: [j for j, name in enumerate(graph.names) if _may_have_gain(name)])
+    found = [(j, gain) for j in candidates if (gain := node_gain(graph.nodes[j], graph.names[j])) is not None]
     values = stats(*(gain for _, gain in found)) if found else []
     return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
+
+
+def _may_have_gain(name: str) -> bool:
+    """Whether a node of this type can have a :func:`node_gain` (the types it looks at)."""
+    return name in BATCH_NORM_NODES or name == "MulBackward0" or "BackwardBackward" in name or "BackwardDataBackward" in name
 
 
 def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, float]) -> dict[int, float]:
@@ -116,12 +121,14 @@ def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[in
     if not gains:
         return {}
 
-    def targets(node: int) -> list[int]:  # a branch bounds its sum again
-        return [edge[0] for edge in graph.edges[node] if edge is not None and edge not in analysis.branch_slots]
-
+    targets = analysis.derive(  # a branch bounds its sum again
+        "targets before a branch", lambda: [[e[0] for e in edges if e is not None and e not in analysis.branch_slots] for edges in graph.edges]
+    )
+    stops = analysis.leaves | analysis.layer_names.keys()
+    order = analysis.derive("gains_after order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, stops)))
     grown: dict[int, float] = {}
-    for node in post_order(len(graph.nodes), targets, analysis.leaves | analysis.layer_names.keys()):
-        gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets(node)), default=1.0)
+    for node in order:
+        gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets[node]), default=1.0)
         if gain > 1.0:
             grown[node] = gain
     return grown

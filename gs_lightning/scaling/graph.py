@@ -12,6 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node
@@ -359,6 +360,8 @@ class GraphAnalysis:
             their gradients pass through with the scale they carry.
         leaf_sources: Leaf index -> the node whose single edge feeds it (leaves fed by one edge).
         feeders: Slot -> the node whose single edge feeds it (slots of non-leaves fed by one edge).
+        derived: What :meth:`derive` computed from the structure alone (traversal orders), kept for the
+            structure's later graphs: update iterations do not walk it again.
     """
 
     gemms: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -374,6 +377,13 @@ class GraphAnalysis:
     opaque: set[int] = field(default_factory=set)
     leaf_sources: dict[int, int] = field(default_factory=dict)
     feeders: dict[Slot, int] = field(default_factory=dict)
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def derive(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per structure: a value that depends on this structure only, never on a graph's values."""
+        if key not in self.derived:
+            self.derived[key] = compute()
+        return self.derived[key]
 
 
 # How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes, a broadcast.

@@ -14,7 +14,7 @@ from torch import nn
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.gains import node_gains
-from gs_lightning.scaling.graph import walk
+from gs_lightning.scaling.graph import analyze, walk
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14  # fp16's smallest normal, the default λmin
@@ -123,6 +123,6 @@ def test_a_product_by_a_constant_counts_as_a_gain() -> None:
     (a gradient penalty): an update counts a product by a constant scalar as a gain, as it does a batch norm's."""
     x = torch.randn(4, 8, requires_grad=True)
     graph = walk(((x * 64.0).tanh() * 0.5).sum().grad_fn)
-    gains = {graph.names[j]: gain for j, gain in node_gains(graph).items()}
+    gains = {graph.names[j]: gain for j, gain in node_gains(graph, analyze(graph, {})).items()}
     assert gains == {"MulBackward0": 64.0}
 

@@ -345,6 +345,11 @@ def overhead_section(run: Recorded) -> list[str]:
     if data.get("host breakdown"):
         lines += ["Host-side work of GS between updates (no kernels):", ""]
         lines += [f"- {k}: {number(v)}" for k, v in data["host breakdown"].items()] + [""]
+    if data.get("gradient passes"):
+        lines += ["Passes over the parameter gradients: GradScaler makes one (unscale and check); GS two between updates, "
+                  "the unscale after the backward (`.grad` holds true gradients when `backward()` returns) and the step's "
+                  "read (which sees what user code wrote, through `.data` too):", ""]
+        lines += [f"- {k}: {number(v)}" for k, v in data["gradient passes"].items()] + [""]
     return lines
 
 

@@ -13,7 +13,8 @@ Measured side by side in one run, methods interleaved round by round, medians re
 Only the backward section and the finiteness check are timed (the forward and the step are the
 same for every method; with ``--compile`` the forward is timed too, since update iterations run it
 eagerly). Next to the times it prints the number of aten operations each method
-dispatches (on a GPU, each is a kernel launch), counted with a dispatch mode. On CUDA each timed
+dispatches (on a GPU, each is a kernel launch), counted with a dispatch mode, and times the passes over
+the parameter gradients alone (:func:`gradient_passes`: GradScaler's one, GS's two). On CUDA each timed
 section is synchronised, and a reuse iteration is also run under
 ``torch.cuda.set_sync_debug_mode("error")`` to check that only ``found_inf`` synchronises.
 
@@ -44,6 +45,8 @@ import torchvision
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.drift import largest_magnitudes
+from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import walk
 from gs_lightning.scaling.plan import LeafTargets
 
@@ -110,6 +113,29 @@ def host_breakdown(scaler: GradientScaler, loss: torch.Tensor, repeats: int = 50
         "structure check ms": per_call(lambda: scaler.graphs[-1].plans[()].matches(graph)),
         "hook register+remove ms": per_call(register_and_remove),
     }
+
+
+def gradient_passes(model: torch.nn.Module, device: torch.device, rounds: int) -> dict[str, float]:
+    """What the passes over the parameter gradients cost, in ms, medians of ``rounds`` interleaved rounds:
+    GradScaler's one (its fused unscale and inf check, read and write), and GS's two between updates, the
+    unscale after the backward (read and write) and the step's read of each gradient's largest magnitude
+    (:func:`~gs_lightning.scaling.drift.largest_magnitudes`, which reads what ``.data`` wrote too). Their sum
+    less GradScaler's pass is what GS adds between updates before any hook or Python of its own."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    found_inf, inv_scale = torch.zeros(1, device=device), torch.ones(1, device=device)
+    passes: dict[str, Callable[[], object]] = {
+        "GradScaler unscale and check ms": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale),
+        "GS unscale ms": lambda: unscale_(grads, 1.0),
+        "GS step read ms": lambda: largest_magnitudes(grads),
+    }
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(rounds):
+        for name, run in passes.items():
+            times[name].append(_time(run, device))
+    result = {name: statistics.median(samples) for name, samples in times.items()}
+    result["gradient values"] = sum(g.numel() for g in grads)
+    result["GS passes less GradScaler's ms"] = result["GS unscale ms"] + result["GS step read ms"] - result["GradScaler unscale and check ms"]
+    return result
 
 
 def main() -> None:
@@ -202,6 +228,8 @@ def main() -> None:
         print("GS between updates: no host-device synchronisation (sync debug mode 'error' passed)")
 
     breakdown = host_breakdown(gs_reuse, loss(reuse_model)) if not args.compile else {}
+    loss().backward()
+    passes = gradient_passes(model, device, args.rounds)
     plain = statistics.median(times["plain backward"])
     compiled_with = f", torch.compile(backend={args.backend!r})" if args.compile else ""
     clock_name = "CPU time" if args.cpu_time else "wall time"
@@ -228,12 +256,15 @@ def main() -> None:
         print("\nHost-side work of GS between updates (no kernels):")
     for name, value in breakdown.items():
         print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")
+    print("\nPasses over the parameter gradients (one backward's; medians):")
+    for name, value in passes.items():
+        print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")
     if args.json:
         settings = {"arch": args.arch, "batch size": args.batch_size, "image size": args.image_size, "device": device.type,
                     "threads": args.threads, "autocast fp16": args.autocast, "rounds": args.rounds, "clock": clock_name,
                     "torch.compile backend": args.backend if args.compile else None, "torch": torch.__version__}
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "rows": rows, "host breakdown": breakdown}, f, indent=1)
+            json.dump({"settings": settings, "rows": rows, "host breakdown": breakdown, "gradient passes": passes}, f, indent=1)
 
 
 if __name__ == "__main__":

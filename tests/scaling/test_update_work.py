@@ -118,3 +118,23 @@ def test_update_iteration_synchronises_once_per_decision(monkeypatch: pytest.Mon
     # 2026-12-01: 4 here (8 before issue 19, item 5: a probe's order statistics and its rate were reads of their own);
     # 5 since the batch norms' gains are read once per update (update.batch_norm_gains).
     assert len(reads) <= decisions + 2, reads
+
+
+def test_update_iterations_traverse_a_known_structure_once(monkeypatch) -> None:
+    """What depends on the graph's structure alone (traversal orders, the nodes that may have a gain) is
+    computed on its first update, not again on the next updates of that structure."""
+    from gs_lightning.scaling import gains
+
+    torch.manual_seed(0)
+    model, x = _conv_net(), torch.randn(2, 3, 8, 8)
+    scaler = GradientScaler(model, update_interval=1)
+    scaler.backward(model(x).square().mean())
+    analysis = scaler.graphs[-1].analyses[()]
+    assert {"kept_downstream order", "gains_after order", "gain nodes"} <= analysis.derived.keys()
+    traversals = []
+    monkeypatch.setattr(gains, "post_order", lambda *args: traversals.append(args) or iter(()))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        scaler.backward(model(x).square().mean())
+    assert scaler.update_iterations == 3 and scaler.graphs[-1].analyses[()] is analysis
+    assert traversals == []

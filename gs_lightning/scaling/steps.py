@@ -58,8 +58,10 @@ class OptimizerSteps:
         if self._stage.get(id(optimizer)) == "stepped":
             raise RuntimeError("step() has already been called since the last update().")
         overflow = self._found_inf.pop(id(optimizer), None)
+        if overflow is None:
+            overflow = non_finite()
         self._stage[id(optimizer)] = "stepped"
-        return non_finite() if overflow is None else overflow
+        return overflow
 
     def skip(self) -> bool:
         """Count a skipped step; whether it is the iteration's first (several optimizers skip as one)."""

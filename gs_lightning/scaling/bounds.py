@@ -128,7 +128,10 @@ class ScaleBounds:
     def _fed_leaves(self, i: int) -> set[int]:
         """The parameters whose gradients GEMM ``i``'s outgoing gradient reaches before the next decision
         (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
-        return self.analysis.derive(f"fed leaves {i}", lambda: self._find_fed_leaves(i, decision_nodes(self.analysis)))
+        fed = self.analysis.derive("fed leaves", dict)  # GEMM -> the leaves it feeds, found on first use
+        if i not in fed:
+            fed[i] = self._find_fed_leaves(i, decision_nodes(self.analysis))
+        return fed[i]
 
     def _find_fed_leaves(self, i: int, decides: set[int]) -> set[int]:
         a, found = self.analysis, set()

@@ -9,7 +9,7 @@ How it runs, in brief:
   above what the last update expected of it by more than its layer's margin, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
-  at hand: that is the only host-device synchronisation.
+  at hand, one host-device synchronisation each (see :meth:`GradientScaler.backward`).
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
   synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
@@ -230,7 +230,9 @@ class GradientScaler:
 
         Between updates the backward does not synchronise with the device. On an update iteration it
         synchronises once per decision point (GEMM, cast, fused kernel, opaque region), each reading its
-        statistics (:attr:`update_iterations` counts those iterations); where gradients at different scales
+        statistics (:attr:`update_iterations` counts those iterations); once more as it starts where the
+        graph has batch norms (their gains), and once more at a GEMM whose weight-gradient bound alone keeps
+        it from the target rate (that weight gradient is then measured). Where gradients at different scales
         merge, the common scale is taken on the device and read with the next decision's statistics.
         """
         try:

@@ -81,7 +81,7 @@ def saved_gradient_gain(node: Node) -> torch.Tensor | None:
     """max|g| of the gradient an elementwise node of a first backward's graph saved (``GeluBackwardBackward0``,
     ``TanhBackwardBackward0``, ... under ``create_graph=True``), else ``None``: a second backward through it
     multiplies its gradient by g, which carries the scales of the first backward."""
-    if "BackwardBackward" not in node.name() and "BackwardDataBackward" not in node.name():
+    if not _saves_first_order_gradient(node.name()):
         return None
     for name in SAVED_GRADIENTS:
         g = saved_tensor(node, name)
@@ -109,9 +109,14 @@ def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> dict[int, float
     return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
 
 
+def _saves_first_order_gradient(name: str) -> bool:
+    """Whether a node of this type belongs to a first backward's graph and saved a gradient (double backward)."""
+    return "BackwardBackward" in name or "BackwardDataBackward" in name
+
+
 def _may_have_gain(name: str) -> bool:
     """Whether a node of this type can have a :func:`node_gain` (the types it looks at)."""
-    return name in BATCH_NORM_NODES or name == "MulBackward0" or "BackwardBackward" in name or "BackwardDataBackward" in name
+    return name in BATCH_NORM_NODES or name == "MulBackward0" or _saves_first_order_gradient(name)
 
 
 def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, float]) -> dict[int, float]:

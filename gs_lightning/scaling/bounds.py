@@ -110,11 +110,11 @@ class ScaleBounds:
         where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
         graph, analysis, maxima = self.graph, self.analysis, {}
         parameters = analysis.derive("parameter leaves", lambda: {i: parameter_leaves(graph.names, graph.edges, analysis, i) for i in analysis.gemms})
-        for i in self.analysis.gemms:
+        for i in analysis.gemms:
             leaves = parameters[i]
             expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
             level = max((self.settings.level_maxima.get(j, 0.0) for j in leaves), default=0.0)
-            if self.settings.recompute and recomputable(self.graph, self.analysis, i, self.leaves.deferred):
+            if self.settings.recompute and recomputable(graph, analysis, i, self.leaves.deferred):
                 self.recomputable.add(i)
             if i in self.recomputable and expected > 0.0 and level > 0.0:
                 maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
@@ -130,7 +130,7 @@ class ScaleBounds:
         (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
         fed = self.analysis.derive("fed leaves", dict)  # GEMM -> the leaves it feeds, found on first use
         if i not in fed:
-            fed[i] = self._find_fed_leaves(i, decision_nodes(self.analysis))
+            fed[i] = self._find_fed_leaves(i, self.analysis.derive("decision nodes", lambda: decision_nodes(self.analysis)))
         return fed[i]
 
     def _find_fed_leaves(self, i: int, decides: set[int]) -> set[int]:

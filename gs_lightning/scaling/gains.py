@@ -129,8 +129,9 @@ def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[in
     targets = analysis.derive(  # a branch bounds its sum again
         "targets before a branch", lambda: [[e[0] for e in edges if e is not None and e not in analysis.branch_slots] for edges in graph.edges]
     )
-    stops = analysis.leaves | analysis.layer_names.keys()
-    order = analysis.derive("gains_after order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, stops)))
+    order = analysis.derive(  # a decision bounds it again too, and a leaf takes it
+        "gains_after order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves | analysis.layer_names.keys()))
+    )
     grown: dict[int, float] = {}
     for node in order:
         gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets[node]), default=1.0)

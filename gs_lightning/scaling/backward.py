@@ -160,7 +160,7 @@ class ScaledBackwards:
             prepared = pending.pop()
             pending += prepared.inner
             prepared.remove_hooks()
-            for j in prepared.leaves.deferred:  # they had no .grad before; a partial, scaled one must not stay
+            for j in prepared.leaves.deferred | prepared.leaves.shared_leaves:  # they had no .grad before; a partial, scaled one must not stay
                 prepared.graph.nodes[j].variable.grad = None
 
     # --- before the backward -----------------------------------------------------------------
@@ -191,8 +191,13 @@ class ScaledBackwards:
             self.attached.check_parameters(graph, exit_leaves)
             self._warn_unhandled(graph, analysis)
         excluded = parent.leaf_ids() if parent is not None else set()
-        leaves = LeafTargets(self._deferred_leaves(graph, analysis, exit_leaves, excluded), exit_leaves, root_alpha)
-        run = UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha) if update or not known else None
+        deferrable = self._deferrable_leaves(graph, analysis, exit_leaves, excluded)
+        deferred = frozenset(deferrable & analysis.leaf_sources.keys())
+        replay = not (update or not known)
+        # A replay knows every scale before the backward: leaves fed by several edges can wait too, at one scale.
+        shared = plan.shared_leaf_scales(graph, deferrable - deferred) if replay and not path and deferrable - deferred else ()
+        leaves = LeafTargets(deferred, exit_leaves, root_alpha, shared)
+        run = None if replay else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
@@ -215,7 +220,7 @@ class ScaledBackwards:
             if self.graphs.current is not None:
                 self.graphs.current.force_update = True
             return None
-        analysis, replay = self.compiled.replay(graph, self.attached.module_names, partial(self._deferred_leaves, graph, exits=frozenset(), excluded=set()))
+        analysis, replay = self.compiled.replay(graph, self.attached.module_names, lambda analysis: frozenset(self._deferrable_leaves(graph, analysis, frozenset(), set()) & analysis.leaf_sources.keys()))
         leaves = LeafTargets(frozenset(j for j, _, _ in replay.deferred))
         prepared = PreparedBackward(graph, analysis, leaves, None, (), None, self.graphs.current)
         prepared.compiled = replay
@@ -223,17 +228,18 @@ class ScaledBackwards:
         prepared.handles += replay.register()
         return prepared
 
-    def _deferred_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]) -> frozenset[int]:
+    def _deferrable_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]) -> frozenset[int]:
         """Leaves whose gradient can wait for the fused unscale after the backward.
 
         Nobody may see ``.grad`` before then: no DDP (it all-reduces during the backward), no
-        hooks on the parameter, no existing ``.grad`` to accumulate into, one incoming edge, and
-        no inner backward (a reentrant checkpoint's) that could add to it, in either direction.
+        hooks on the parameter, no existing ``.grad`` to accumulate into, and no inner backward (a
+        reentrant checkpoint's) that could add to it, in either direction. Those fed by one edge
+        are deferred on every backward; those fed by several on replays (:attr:`LeafTargets.shared`).
         """
         if analysis.reentrant or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return frozenset()
         deferred = []
-        for j in analysis.leaf_sources.keys() - exits:
+        for j in analysis.leaves - exits:
             variable = graph.nodes[j].variable
             if (
                 variable.grad is None
@@ -311,6 +317,7 @@ class ScaledBackwards:
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
             already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in deferred | prepared.leaves.exits]
         unscale_and_measure(unscaled, scales.drift if not prepared.path and self.recipe.measures_drift else None, run is not None, already)
+        unscale_and_measure([(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False)  # not in the drift statistic, as when unscaled per edge
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self.written[id(variable)] = variable
@@ -360,7 +367,7 @@ def _unscale_captured(prepared: PreparedBackward) -> list:
             "supported on update iterations only, whose forward runs eagerly; use backward() with a compiled model."
         )
     handles = prepared.run.track_every_node() if prepared.run is not None else []  # before the hooks below, which read it
-    targets = {j for j in prepared.leaves.deferred if runs[j] is None}
+    targets = {j for j in prepared.leaves.deferred | prepared.leaves.shared_leaves if runs[j] is None}
     for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured
         if i in analysis.leaves or not _will_execute(graph.nodes[i]):
             continue
@@ -371,7 +378,7 @@ def _unscale_captured(prepared: PreparedBackward) -> list:
     for i, edges in enumerate(graph.edges):
         for k, edge in enumerate(edges):
             if edge is not None and edge[0] in targets:
-                handles.append(graph.nodes[i].register_hook(partial(_divide_edge, graph, source, i, k)))
+                handles.append(graph.nodes[i].register_hook(partial(_divide_edge, graph, source, prepared.leaves, i, k)))
     return handles
 
 
@@ -386,11 +393,15 @@ def _will_execute(node: Node) -> bool | None:
         return None
 
 
-def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, i: int, k: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, leaves: LeafTargets, i: int, k: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
     """Post-hook of node ``i``: its gradient on edge ``k``, whose target ``autograd.grad`` captures, unscaled."""
     grad = grad_inputs[k]
     if grad is None:  # a branch contribution the update run keeps aside: the last one carries the sum
         return grad_inputs
     edge = graph.edges[i][k]
-    carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
+    shared = leaves.shared_scale(edge[0]) if leaves.shared else None
+    if shared is not None:  # the replay's hook brought it to its leaf's shared scale
+        carried = shared
+    else:
+        carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
     return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])

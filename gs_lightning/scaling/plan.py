@@ -9,7 +9,7 @@ an exponent may still be a 0-dim tensor on the gradients' device (:data:`Exponen
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import zip_longest
@@ -34,18 +34,32 @@ class LeafTargets:
             reentrant checkpoint's inner graph): they receive it at ``exit_alpha``, the scale the
             outer graph expects from the checkpoint node. Every other leaf receives it at 2^0.
         exit_alpha: log2 of that scale (during an update, possibly still on the device).
+        shared: (leaf, log2 scale) for leaves fed by several edges that are left scaled too, on a replay:
+            each edge's gradient arrives at that one scale (:meth:`ScalePlan.shared_leaf_scales`), autograd
+            sums them, and the scaler divides the sum afterwards, as for ``deferred``.
     """
 
     deferred: frozenset[int] = frozenset()
     exits: frozenset[int] = frozenset()
     exit_alpha: Exponent = 0
+    shared: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def shared_leaves(self) -> frozenset[int]:
+        """The leaves of :attr:`shared`."""
+        return frozenset(j for j, _ in self.shared)
+
+    def shared_scale(self, leaf: int) -> int | None:
+        """The scale the edges into ``leaf`` bring its gradients to, where it is one of :attr:`shared`."""
+        return next((alpha for j, alpha in self.shared if j == leaf), None)
 
 
 def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_alpha: dict[Slot, Exponent], leaves: LeafTargets) -> Exponent:
     """log2 of the factor a gradient sent with scale ``2^alpha`` gets on ``edge``.
 
     * into a leaf: to the leaf's target scale (2^0, a parameter's true gradient, in the leaf's own
-      precision before autograd accumulates it), unless the leaf is deferred;
+      precision before autograd accumulates it), unless the leaf is deferred; to its shared scale
+      where it is one of :attr:`LeafTargets.shared`;
     * into a branch (a slot fed by several edges): to the branch's common scale;
     * anywhere else: unchanged.
     """
@@ -54,6 +68,9 @@ def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_al
     if graph.names[edge[0]] == LEAF:
         if edge[0] in leaves.deferred:
             return 0
+        common = leaves.shared_scale(edge[0]) if leaves.shared else None
+        if common is not None:
+            return common - alpha
         return (leaves.exit_alpha if edge[0] in leaves.exits else 0) - alpha
     if graph.in_counts[edge] > 1:
         return slot_alpha[edge] - alpha
@@ -154,6 +171,7 @@ class ScalePlan:
     slot_alpha: dict[Slot, int]
     recomputable: frozenset[int] = frozenset()
     _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(default_factory=dict, repr=False)
+    _shared: dict[frozenset[int], tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has the structure this plan was decided for."""
@@ -179,6 +197,25 @@ class ScalePlan:
                 for i, pre, post in self.hook_factors(graph, leaves)
             ]
         return hooks
+
+    def shared_leaf_scales(self, graph: AutogradGraph, leaves: frozenset[int]) -> tuple[tuple[int, int], ...]:
+        """(leaf, log2 scale) for ``leaves``, each fed by several edges: the scale most of its edges carry.
+
+        Autograd sums a leaf's incoming gradients before it accumulates them; brought to one scale (exact:
+        powers of two), the sum can be divided once after the backward, with the other deferred
+        gradients. Only the edges at another scale then need a factor: none where every use of a weight
+        carries one scale (an unrolled RNN's steps, a tied embedding), where each edge would otherwise
+        multiply a whole weight gradient. Found once per plan and set of leaves.
+        """
+        found = self._shared.get(leaves)
+        if found is None:
+            carried: dict[int, list[int]] = defaultdict(list)
+            for i, edges in enumerate(graph.edges):
+                for edge in edges:
+                    if edge is not None and edge[0] in leaves:
+                        carried[edge[0]].append(self.alpha_out.get(i, 0))
+            found = self._shared[leaves] = tuple(sorted((j, Counter(alphas).most_common(1)[0][0]) for j, alphas in carried.items()))
+        return found
 
     def hook_factors(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, tuple | None, tuple | None]]:
         """(node, pre-hook factors, post-hook factors) for the nodes whose gradients change."""

@@ -23,9 +23,10 @@ How it runs, in brief:
   (:mod:`~gs_lightning.scaling.recompute`); any other non-finite gradient skips the step.
 * Gradients reaching a parameter are divided by the scale they carry in the parameter's own
   precision (fp32 master weights): after the backward, in one fused kernel per device and dtype,
-  where nothing can observe ``.grad`` in between; otherwise (DDP, accumulation into an existing
-  ``.grad``, hooks on the parameter, a parameter fed by several edges) before autograd
-  accumulates them. Either way ``.grad``, DDP's all-reduce and the optimizer only see true
+  where nothing can observe ``.grad`` in between (a parameter used several times too, between updates:
+  its gradients summed at one scale); otherwise (DDP, accumulation into an existing ``.grad``, hooks on
+  the parameter, on update iterations a parameter used several times) before autograd accumulates
+  them. Either way ``.grad``, DDP's all-reduce and the optimizer only see true
   gradients.
 """
 

@@ -6,7 +6,9 @@ import io
 
 import torch
 import torch.nn.functional as F
+from nets import TiedLM
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.graph import analyze, walk
@@ -69,3 +71,47 @@ def test_plan_state_is_plain_containers_that_load_with_weights_only() -> None:
     plan = ScalePlan.from_state_dict(plan_state)
     assert path == [] and plan.alpha_out == scaler.graphs[-1].plans[()].alpha_out and plan.slot_alpha == scaler.graphs[-1].plans[()].slot_alpha
     assert plan.matches(walk(_loss(model).grad_fn))
+
+
+def _tied_loss(model: nn.Module) -> torch.Tensor:
+    return F.cross_entropy(model(torch.tensor([[1, 2, 3], [4, 5, 6]])).flatten(0, 1), torch.arange(1, 7)) * 1e-4
+
+
+class _WeightShapedProducts(TorchDispatchMode):
+    """Counts the products (one tensor each, or each tensor of a foreach product) shaped like ``weight``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.shape, self.count = weight.shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten._foreach_mul_):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [out]
+            self.count += sum(t.shape == self.shape for t in tensors)
+        return out
+
+
+def test_a_weight_used_several_times_is_unscaled_once_on_a_replay_and_stays_exact() -> None:
+    """A tied weight gets a gradient from each use, each at its GEMM's scale. On a replay they are brought to the
+    scale most of them carry and summed there, and the sum is divided once after the backward: fewer products
+    of a whole weight gradient than uses, and the same ``.grad`` as a plain backward, bit for bit."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    _tied_loss(model).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    scaler = GradientScaler(model, update_interval=100)
+    model.zero_grad(set_to_none=True)
+    scaler.backward(_tied_loss(model))  # the update
+    graph = walk(_tied_loss(model).grad_fn)
+    tied = next(j for j, node in enumerate(graph.nodes) if graph.names[j] == "AccumulateGrad" and node.variable is model.embed.weight)
+    carried = [scaler.graphs[-1].plans[()].alpha_out[i] for i, edges in enumerate(graph.edges) for e in edges if e is not None and e[0] == tied]
+    assert len(carried) == 4 and len(set(carried)) > 1  # four uses, at different scales
+    model.zero_grad(set_to_none=True)
+    loss = _tied_loss(model)
+    with _WeightShapedProducts(model.embed.weight) as products:
+        scaler.backward(loss)  # a replay
+    assert products.count < len(carried)
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
+    (got,) = torch.autograd.grad(scaler.scale(_tied_loss(model)), [model.embed.weight])  # captured, not accumulated: true too
+    assert torch.equal(got, reference[0])

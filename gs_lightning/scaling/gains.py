@@ -11,7 +11,14 @@ from torch.autograd.graph import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
 from gs_lightning.scaling.gradient_stats import stats
-from gs_lightning.scaling.graph import BATCH_NORM_NODES, AutogradGraph, GraphAnalysis, batch_norm_gain, saved_tensor
+from gs_lightning.scaling.graph import (
+    BATCH_NORM_NODES,
+    AutogradGraph,
+    GraphAnalysis,
+    batch_norm_gain_operands,
+    batch_norm_gains,
+    saved_tensor,
+)
 
 
 def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: Mapping[int, int]) -> dict[int, int]:
@@ -90,21 +97,19 @@ def saved_gradient_gain(node: Node) -> torch.Tensor | None:
     return None
 
 
-def node_gain(node: Node, name: str) -> torch.Tensor | None:
-    """How much ``node`` can multiply the gradient it passes on, where that is known: a batch norm's gain
-    (:func:`~gs_lightning.scaling.graph.batch_norm_gain`), a product by a constant (:func:`constant_factor`),
-    a saved first-order gradient (:func:`saved_gradient_gain`)."""
-    if name in BATCH_NORM_NODES:
-        return batch_norm_gain(node)
-    if name == "MulBackward0":
-        return constant_factor(node)
-    return saved_gradient_gain(node)
-
-
 def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> dict[int, float]:
-    """Node -> its gain above 1 (:func:`node_gain`), read in one synchronisation; empty, and nothing read, without any."""
+    """Node -> how much it can multiply the gradient it passes on, where that is known and above 1, read in one
+    synchronisation (empty, and nothing read, without any): a batch norm's gain
+    (:func:`~gs_lightning.scaling.graph.batch_norm_gains`, all computed together), a product by a constant
+    (:func:`constant_factor`), a saved first-order gradient (:func:`saved_gradient_gain`)."""
     candidates = analysis.derive("gain nodes", lambda: [j for j, name in enumerate(graph.names) if _may_have_gain(name)])
-    found = [(j, gain) for j in candidates if (gain := node_gain(graph.nodes[j], graph.names[j])) is not None]
+    norms = [(j, operands) for j in candidates if graph.names[j] in BATCH_NORM_NODES and (operands := batch_norm_gain_operands(graph.nodes[j])) is not None]
+    found = list(zip([j for j, _ in norms], batch_norm_gains([operands for _, operands in norms])))
+    for j in candidates:
+        name = graph.names[j]
+        gain = None if name in BATCH_NORM_NODES else constant_factor(graph.nodes[j]) if name == "MulBackward0" else saved_gradient_gain(graph.nodes[j])
+        if gain is not None:
+            found.append((j, gain))
     values = stats(*(gain for _, gain in found)) if found else []
     return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
 
@@ -115,7 +120,7 @@ def _saves_first_order_gradient(name: str) -> bool:
 
 
 def _may_have_gain(name: str) -> bool:
-    """Whether a node of this type can have a :func:`node_gain` (the types it looks at)."""
+    """Whether a node of this type can have a gain :func:`node_gains` knows (the types it looks at)."""
     return name in BATCH_NORM_NODES or name == "MulBackward0" or _saves_first_order_gradient(name)
 
 

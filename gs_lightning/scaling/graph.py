@@ -108,9 +108,10 @@ def saved_function_tensor(node: Node, index: int) -> torch.Tensor | None:
 BATCH_NORM_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
 
 
-def batch_norm_gain(node: Node) -> torch.Tensor | None:
-    """max_c |γ_c|·invstd_c of a batch-norm backward node, a 0-dim fp32 tensor (nothing read), or
-    ``None`` where its saved tensors are unreadable (checkpointing; FSDP2's resharded weight)."""
+def batch_norm_gain_operands(node: Node) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """(γ, invstd) of a batch-norm backward node, whose gain is max_c |γ_c|·invstd_c (γ ``None`` without an
+    affine weight: max_c invstd_c), or ``None`` where its saved tensors are unreadable (checkpointing;
+    FSDP2's resharded weight). Nothing is computed but, in evaluation mode, invstd from the running variance."""
     with torch.no_grad():
         invstd = saved_tensor(node, "result2")
         if invstd is None or invstd.numel() == 0:  # evaluation mode: the running variance normalised
@@ -123,8 +124,25 @@ def batch_norm_gain(node: Node) -> torch.Tensor | None:
             raw = getattr(node, "_raw_saved_weight", None)
             if raw is not None and raw.unpack_hook is None and node._saved_weight is not None:  # a weight, unreadable now
                 return None
-            return invstd.amax()
-        return (weight.abs() * invstd).amax()
+        return weight, invstd
+
+
+def batch_norm_gains(operands: list[tuple[torch.Tensor | None, torch.Tensor]]) -> list[torch.Tensor]:
+    """max_c |γ_c|·invstd_c of each of :func:`batch_norm_gain_operands`' pairs, 0-dim tensors (nothing read):
+    three foreach kernels per device for all the affine ones, not three kernels each."""
+    gains: list[torch.Tensor | None] = [None] * len(operands)
+    affine: dict[torch.device, list[int]] = {}
+    for k, (weight, invstd) in enumerate(operands):
+        if weight is None:
+            gains[k] = invstd.amax()
+        else:
+            affine.setdefault(weight.device, []).append(k)
+    with torch.no_grad():
+        for ks in affine.values():
+            products = torch._foreach_mul(torch._foreach_abs([operands[k][0] for k in ks]), [operands[k][1] for k in ks])
+            for k, gain in zip(ks, torch._foreach_max(products)):
+                gains[k] = gain
+    return gains  # type: ignore[return-value]
 
 
 # torchvision's operators with autograd formulas (``torch.library.register_autograd``: custom

@@ -242,7 +242,7 @@ def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.
     The subset: output channels evenly spread (whole groups, for a grouped convolution), each
     summed over the whole batch, as the node sums it.
     """
-    inputs, weight = _float(saved_tensor(node, "input")), _float(saved_tensor(node, "weight"))
+    inputs, weight = _detached(saved_tensor(node, "input")), _detached(saved_tensor(node, "weight"))  # to fp32 once sliced
     if inputs is None or weight is None:
         return None
     groups, transposed = node._saved_groups, node._saved_transposed
@@ -258,7 +258,7 @@ def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.
         dim = 1 if transposed else 0
         index = _spread(weight.shape[dim], max(1, elements * weight.shape[dim] // weight.numel()), grad.device)
         grad, weight = _take(grad, 1, index), _take(weight, dim, index)
-    return torch.ops.aten.convolution_backward(grad.float(), inputs, weight, None, *args, groups, [False, True, False])[1]
+    return torch.ops.aten.convolution_backward(grad.float(), inputs.float(), weight.float(), None, *args, groups, [False, True, False])[1]
 
 
 def _convolution_input(

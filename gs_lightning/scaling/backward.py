@@ -194,8 +194,10 @@ class ScaledBackwards:
         deferrable = self._deferrable_leaves(graph, analysis, exit_leaves, excluded)
         deferred = frozenset(deferrable & analysis.leaf_sources.keys())
         replay = not (update or not known)
-        # A replay knows every scale before the backward: leaves fed by several edges can wait too, at one scale.
-        shared = plan.shared_leaf_scales(graph, deferrable - deferred) if replay and not path and deferrable - deferred else ()
+        # A replay knows every scale before the backward: leaves fed by several edges can wait too, summed at one
+        # scale, for fp32 (or wider) master weights; a weight kept in 16 bits is still unscaled edge by edge.
+        several = frozenset(j for j in deferrable - deferred if torch.finfo(graph.nodes[j].variable.dtype).bits >= 32) if replay and not path else ()
+        shared = plan.shared_leaf_scales(graph, several) if several else ()
         leaves = LeafTargets(deferred, exit_leaves, root_alpha, shared)
         run = None if replay else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales)

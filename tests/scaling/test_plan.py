@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,19 @@ def test_edge_shift_brings_leaves_to_their_target_and_branches_to_their_scale() 
     assert edge_shift(graph, None, 5, {}, LeafTargets()) == 0
 
 
+def _plain_grads_then_an_update(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]) -> tuple[list[torch.Tensor], GradientScaler]:
+    """``model``'s gradients from a plain backward, and a scaler that has run its update on the same loss (the next backwards replay)."""
+    loss_of(model).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    scaler = GradientScaler(model, update_interval=100)
+    model.zero_grad(set_to_none=True)
+    scaler.backward(loss_of(model))
+    return reference, scaler
+
+
 def test_replay_adds_no_hook_for_deferred_leaves_and_stays_exact() -> None:
     model = _model()
-    _loss(model).backward()
-    reference = [p.grad.clone() for p in model.parameters()]
-    scaler = GradientScaler(model, update_interval=10)
-    model.zero_grad(set_to_none=True)
-    scaler.backward(_loss(model))  # update iteration
+    reference, scaler = _plain_grads_then_an_update(model, _loss)
     loss = _loss(model)
     graph = walk(loss.grad_fn)
     analysis = analyze(graph, {})
@@ -98,11 +105,7 @@ def test_a_weight_used_several_times_is_unscaled_once_on_a_replay_and_stays_exac
     of a whole weight gradient than uses, and the same ``.grad`` as a plain backward, bit for bit."""
     torch.manual_seed(0)
     model = TiedLM()
-    _tied_loss(model).backward()
-    reference = [p.grad.clone() for p in model.parameters()]
-    scaler = GradientScaler(model, update_interval=100)
-    model.zero_grad(set_to_none=True)
-    scaler.backward(_tied_loss(model))  # the update
+    reference, scaler = _plain_grads_then_an_update(model, _tied_loss)
     graph = walk(_tied_loss(model).grad_fn)
     tied = next(j for j, node in enumerate(graph.nodes) if graph.names[j] == "AccumulateGrad" and node.variable is model.embed.weight)
     carried = [scaler.graphs[-1].plans[()].alpha_out[i] for i, edges in enumerate(graph.edges) for e in edges if e is not None and e[0] == tied]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gs_lightning.scaling.drift import parameter_leaves
-from gs_lightning.scaling.gains import gains_after, kept_downstream, node_gains
+from gs_lightning.scaling.gains import gains_above_one, gains_after, kept_downstream, node_gains
+from gs_lightning.scaling.gradient_stats import stats
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
 from gs_lightning.scaling.limits import Bound, Limit
 from gs_lightning.scaling.plan import Exponent, LeafTargets
@@ -94,7 +95,6 @@ class ScaleBounds:
         recomputable: GEMMs whose weight gradients the replays recompute in fp32 if they overflow.
         fed_maxima: Such a GEMM -> the expected maxima of the parameter gradients it feeds.
         kept_downstream: Node -> the highest accumulated scale any gradient it sends on is used at.
-        gains_after: Node -> how much the gradient it receives can grow before the next decision.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, leaves: LeafTargets) -> None:
@@ -103,7 +103,28 @@ class ScaleBounds:
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
         self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
-        self.gains_after = gains_after(graph, analysis, node_gains(graph, analysis))
+        self._gains = node_gains(graph, analysis)  # on the device until a decision reads them with its statistics
+        self._gains_after: dict[int, float] | None = None if self._gains else {}
+
+    @property
+    def gains_after(self) -> dict[int, float]:
+        """Node -> how much the gradient it receives can grow before the next decision (:func:`gains_after`).
+
+        The gains are read with the first decision's statistics (:meth:`unread_gains`); asked for before
+        any decision read, here (one synchronisation: a merge before the first decision point).
+        """
+        if self._gains_after is None:
+            self.take_gains(stats(*self.unread_gains()))
+        return self._gains_after
+
+    def unread_gains(self) -> list[torch.Tensor]:
+        """The gains still on the device, for the next read to take with its own values (:meth:`take_gains`)."""
+        return [gain for _, gain in self._gains] if self._gains_after is None else []
+
+    def take_gains(self, values: list[float]) -> None:
+        """:meth:`unread_gains` as read, in order."""
+        self._gains_after = gains_after(self.graph, self.analysis, gains_above_one([j for j, _ in self._gains], values))
+        self._gains = []
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);

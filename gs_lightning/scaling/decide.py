@@ -389,13 +389,16 @@ class NodeDecisions:
 
     def _read(self, values: list[torch.Tensor], samples: list[ExactSample], alpha: Exponent) -> tuple[list[float], list[OrderStatistics], int]:
         """:func:`~gs_lightning.scaling.gradient_stats.stats_and_samples` of a decision's statistics, with the scale
-        ``alpha`` its gradient carries where a merge left it on the device: one synchronisation."""
-        unread = isinstance(alpha, torch.Tensor)
-        read_values, orders = stats_and_samples([*values, alpha] if unread else values, samples, self.settings.underflow_rate)
+        ``alpha`` its gradient carries where a merge left it on the device, and the gains no decision read yet
+        (:meth:`ScaleBounds.unread_gains`): one synchronisation."""
+        unread, gains = isinstance(alpha, torch.Tensor), self.bounds.unread_gains()
+        read_values, orders = stats_and_samples([*values, *gains, *([alpha] if unread else [])], samples, self.settings.underflow_rate)
         if unread:
             self.read_exponents[alpha] = int(read_values.pop())
             alpha = self.read_exponents[alpha]
-        return read_values, orders, alpha
+        if gains:
+            self.bounds.take_gains(read_values[len(values) :])
+        return read_values[: len(values)], orders, alpha
 
     def _host(self, alpha: Exponent) -> int:
         """The value of ``alpha``: as a decision read it, or read now (one synchronisation) where none did."""

@@ -10,7 +10,6 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
-from gs_lightning.scaling.gradient_stats import stats
 from gs_lightning.scaling.graph import (
     BATCH_NORM_NODES,
     AutogradGraph,
@@ -97,9 +96,9 @@ def saved_gradient_gain(node: Node) -> torch.Tensor | None:
     return None
 
 
-def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> dict[int, float]:
-    """Node -> how much it can multiply the gradient it passes on, where that is known and above 1, read in one
-    synchronisation (empty, and nothing read, without any): a batch norm's gain
+def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int, torch.Tensor]]:
+    """(node, how much it can multiply the gradient it passes on) where that is known, 0-dim tensors on the device,
+    unread (:func:`gains_above_one` takes them as read): a batch norm's gain
     (:func:`~gs_lightning.scaling.graph.batch_norm_gains`, all computed together), a product by a constant
     (:func:`constant_factor`), a saved first-order gradient (:func:`saved_gradient_gain`)."""
     candidates = analysis.derive("gain nodes", lambda: [j for j, name in enumerate(graph.names) if _may_have_gain(name)])
@@ -110,8 +109,12 @@ def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> dict[int, float
         gain = None if name in BATCH_NORM_NODES else constant_factor(graph.nodes[j]) if name == "MulBackward0" else saved_gradient_gain(graph.nodes[j])
         if gain is not None:
             found.append((j, gain))
-    values = stats(*(gain for _, gain in found)) if found else []
-    return {j: v for (j, _), v in zip(found, values) if 1.0 < v < math.inf}
+    return found
+
+
+def gains_above_one(nodes: list[int], values: list[float]) -> dict[int, float]:
+    """Node -> its gain as read (:func:`node_gains`' order), where above 1 and finite."""
+    return {j: v for j, v in zip(nodes, values) if 1.0 < v < math.inf}
 
 
 def _saves_first_order_gradient(name: str) -> bool:

@@ -231,10 +231,10 @@ class GradientScaler:
 
         Between updates the backward does not synchronise with the device. On an update iteration it
         synchronises once per decision point (GEMM, cast, fused kernel, opaque region), each reading its
-        statistics (:attr:`update_iterations` counts those iterations); once more as it starts where the
-        graph has batch norms (their gains), and once more at each GEMM whose weight-gradient bound alone keeps
-        it from the target rate (that weight gradient is then measured). Where gradients at different scales
-        merge, the common scale is taken on the device and read with the next decision's statistics.
+        statistics (:attr:`update_iterations` counts those iterations), and once more at each GEMM whose
+        weight-gradient bound alone keeps it from the target rate (that weight gradient is then measured).
+        The batch norms' gains, and the common scale where gradients at different scales merge, are taken on
+        the device and read with the next decision's statistics.
         """
         try:
             self.scale(loss).backward(retain_graph=retain_graph)

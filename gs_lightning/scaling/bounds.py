@@ -15,7 +15,7 @@ import torch
 
 from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.gains import gains_above_one, gains_after, kept_downstream, node_gains
-from gs_lightning.scaling.gradient_stats import stats
+from gs_lightning.scaling.gradient_stats import read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
 from gs_lightning.scaling.limits import Bound, Limit
 from gs_lightning.scaling.plan import Exponent, LeafTargets
@@ -114,7 +114,7 @@ class ScaleBounds:
         any decision read, here (one synchronisation: a merge before the first decision point).
         """
         if self._gains_after is None:
-            self.take_gains(stats(*self.unread_gains()))
+            self.take_gains(read(self.unread_gains()))
         return self._gains_after
 
     def unread_gains(self) -> list[torch.Tensor]:

@@ -391,7 +391,7 @@ class NodeDecisions:
         """:func:`~gs_lightning.scaling.gradient_stats.stats_and_samples` of a decision's statistics, with the scale
         ``alpha`` its gradient carries where a merge left it on the device, and the gains no decision read yet
         (:meth:`ScaleBounds.unread_gains`): one synchronisation."""
-        unread, gains = isinstance(alpha, torch.Tensor), self.bounds.unread_gains()
+        unread, gains = isinstance(alpha, torch.Tensor), [g.to(values[0].device) for g in self.bounds.unread_gains()]  # a model over devices
         read_values, orders = stats_and_samples([*values, *gains, *([alpha] if unread else [])], samples, self.settings.underflow_rate)
         if unread:
             self.read_exponents[alpha] = int(read_values.pop())

@@ -28,6 +28,7 @@ from gs_lightning.scaling.formats import FloatFormat
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
+from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
@@ -142,7 +143,8 @@ class ScaledBackwards:
     def prepare(self, root: Node) -> None:
         """Hook the loss's graph below ``root`` (a scale() whose backward never ran is dropped first)."""
         self.abandon()
-        self._prepared = self._prepare(root, ())
+        with profiled("GradientScaler.prepare"):
+            self._prepared = self._prepare(root, ())
 
     def end_iteration(self) -> None:
         """The step is done: the next backwards start a new iteration."""
@@ -318,8 +320,9 @@ class ScaledBackwards:
             alpha_out, deferred = prepared.alpha_out, prepared.leaves.deferred
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
             already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in deferred | prepared.leaves.exits]
-        unscale_and_measure(unscaled, scales.drift if not prepared.path and self.recipe.measures_drift else None, run is not None, already)
-        unscale_and_measure([(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False)  # not in the drift statistic, as when unscaled per edge
+        with profiled("GradientScaler.unscale"):
+            unscale_and_measure(unscaled, scales.drift if not prepared.path and self.recipe.measures_drift else None, run is not None, already)
+            unscale_and_measure([(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False)  # not in the drift statistic, as when unscaled per edge
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self.written[id(variable)] = variable

@@ -20,6 +20,7 @@ from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.drift import largest_magnitudes, within_margin
 from gs_lightning.scaling.finite import unscale_and_check_
 from gs_lightning.scaling.graph_scales import GraphScales
+from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recompute import WeightGradRecompute
 
 
@@ -65,7 +66,13 @@ class StepRead:
         the operands of, they are recomputed in fp32 into ``.grad`` and ``grads`` are read again; either
         way what the replay kept is released then (no later read recomputes).
         ``sharded``: each rank holds its own shard of ``grads`` (FSDP1): the flag is reduced across ranks.
+        In a profiler's trace: ``GradientScaler.step_read``.
         """
+        with profiled("GradientScaler.step_read"):
+            return self._read_gradients(grads, sharded)
+
+    def _read_gradients(self, grads: list[torch.Tensor], sharded: bool) -> bool:
+        """The read :meth:`non_finite` describes."""
         unread = self._unread
         pending = [graph.drift.pending() for graph in unread]
         queued = [t for tensors in pending for t in tensors]
@@ -101,7 +108,7 @@ class StepRead:
         for graph in unread:
             if graph.drift.last.drifted and not self._surprise_within_margin(graph):
                 graph.force_update = True
-        return self.non_finite(grads, sharded) if recomputed else non_finite
+        return self._read_gradients(grads, sharded) if recomputed else non_finite
 
     def _surprise_within_margin(self, graph: GraphScales) -> bool:
         """Where weight gradients rising above what the last update expected of them is all that asks for an
@@ -128,7 +135,8 @@ class StepRead:
         reading = graph.drift.last
         if not reading.non_finite:
             return False
-        grads = self.recompute.recompute(reading.non_finite)
+        with profiled("GradientScaler.recompute"):
+            grads = self.recompute.recompute(reading.non_finite)
         if grads is None:
             return False
         for parameter, grad in grads.values():

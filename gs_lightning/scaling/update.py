@@ -22,6 +22,7 @@ from gs_lightning.scaling.decide import LayerScale, NodeDecisions
 from gs_lightning.scaling.gradient_stats import Extremes, extremes, read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
 from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, edge_shift, shift, times_pow2
+from gs_lightning.scaling.profiled import profiled
 
 Warn = Callable[[str, str], None]
 
@@ -166,9 +167,11 @@ class UpdateRun:
 
     def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
         if i in self.analysis.opaque:
-            return self.decisions.opaque_probe(i, grad_extremes, alpha)
+            with profiled(f"GradientScaler.decide:{self.analysis.layer_names[i]}"):
+                return self.decisions.opaque_probe(i, grad_extremes, alpha)
         try:
-            return self.decisions.decide(i, grad, grad_extremes, grads, alpha)
+            with profiled(f"GradientScaler.decide:{self.analysis.layer_names[i]}"):
+                return self.decisions.decide(i, grad, grad_extremes, grads, alpha)
         except Exception as error:  # noqa: BLE001 - never crash training: this node passes its scale through
             node_type = self.graph.names[i]
             self._warn(

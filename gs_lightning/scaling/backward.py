@@ -32,6 +32,7 @@ from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
+from gs_lightning.scaling.weak import weakly
 
 
 class PreparedBackward:
@@ -107,7 +108,7 @@ class ScaledBackwards:
         self.recipe, self.format = recipe, fmt
         self.attached, self.read, self.backoff, self.warn_once = attached, read, backoff, warn_once
         self.graphs = GraphRegistry()  # plans, schedule, drift and back-off of each graph structure run
-        self.compiled = CompiledModules(enabled, self.updates_next, warn_once)
+        self.compiled = CompiledModules(enabled, weakly(self.updates_next), warn_once)
         self.iteration = 0  # backwards finished
         self.update_iterations = 0
         self.ran: list[GraphScales] = []  # the structures whose backward ran since the last step

@@ -53,6 +53,7 @@ from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.steps import OptimizerSteps
+from gs_lightning.scaling.weak import weakly
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
 
@@ -108,7 +109,7 @@ class GradientScaler:
         self._backoff = SkipBackoff(self.recipe)
         # Keeps what the replay needs to recompute weight gradients that overflow.
         self._read = StepRead(WeightGradRecompute(self.format.max), self.format.max, self.recipe.expected_maxima_margin_log2)
-        self._backwards = ScaledBackwards(self.recipe, self.format, self._attached, self._read, self._backoff, self._warn_once, lambda: self.enabled)
+        self._backwards = ScaledBackwards(self.recipe, self.format, self._attached, self._read, self._backoff, weakly(self._warn_once), weakly(self.is_enabled))
         if model is not None:
             self.attach(model)
 

@@ -8,6 +8,7 @@ ranks': the all-reduce sums true gradients), and the drift-triggered updates fol
 
 from __future__ import annotations
 
+import gc
 import math
 import socket
 import warnings
@@ -192,28 +193,35 @@ class _LinearWithInfBiasGradient(nn.Linear):
         return nn.functional.linear(x, self.weight, bias)
 
 
+def _inf_step(rank: int, out: Path, sharding: str) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _LinearWithInfBiasGradient(16, 4, rank))
+    if sharding == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+    else:  # FSDP2: each Linear a unit, then the root; the gradients are DTensors, each rank holding its shard
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        model = fully_shard(net)
+    scaler, optimizer = GradientScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().square().mean()
+    scaler.backward(loss)
+    scaler.step(optimizer)
+    torch.save(scaler.skipped_steps, out / f"{sharding}_{rank}.pt")
+
+
 def _inf_rank(rank: int, port: int, out: Path, sharding: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _LinearWithInfBiasGradient(16, 4, rank))
-        if sharding == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            model = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
-        else:  # FSDP2: each Linear a unit, then the root; the gradients are DTensors, each rank holding its shard
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in (net[0], net[2]):
-                fully_shard(layer)
-            model = fully_shard(net)
-        scaler, optimizer = GradientScaler(model), torch.optim.SGD(model.parameters(), lr=0.1)
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().square().mean()
-        scaler.backward(loss)
-        scaler.step(optimizer)
-        torch.save(scaler.skipped_steps, out / f"{sharding}_{rank}.pt")
+        _inf_step(rank, out, sharding)
+        # FSDP's modules hold reference cycles: collected now, not as the interpreter exits after the process
+        # group is gone, where gloo aborted 1 exit in 6-20 ("terminate called without an active exception").
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

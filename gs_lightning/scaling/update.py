@@ -166,12 +166,14 @@ class UpdateRun:
         return tuple(grads)
 
     def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
+        with profiled(f"GradientScaler.decide:{self.analysis.layer_names[i]}"):
+            return self._decision(i, grad, grad_extremes, grads, alpha)
+
+    def _decision(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
         if i in self.analysis.opaque:
-            with profiled(f"GradientScaler.decide:{self.analysis.layer_names[i]}"):
-                return self.decisions.opaque_probe(i, grad_extremes, alpha)
+            return self.decisions.opaque_probe(i, grad_extremes, alpha)
         try:
-            with profiled(f"GradientScaler.decide:{self.analysis.layer_names[i]}"):
-                return self.decisions.decide(i, grad, grad_extremes, grads, alpha)
+            return self.decisions.decide(i, grad, grad_extremes, grads, alpha)
         except Exception as error:  # noqa: BLE001 - never crash training: this node passes its scale through
             node_type = self.graph.names[i]
             self._warn(

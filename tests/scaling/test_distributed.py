@@ -55,13 +55,18 @@ def _train(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor, scaler: Gr
     return {"updates": updates, "drifts": drifts, "measured": len(scaler.drift.measured)}
 
 
+def _ddp_steps(rank: int, out: Path) -> None:
+    model = DistributedDataParallel(_model())
+    x, upstream = _batch()
+    half = slice(rank * 32, (rank + 1) * 32)  # the mean over each half, averaged by DDP: the global batch's mean
+    torch.save(_train(model, x[half], upstream[half], GradientScaler(model, update_interval=100)), out / f"rank{rank}.pt")
+
+
 def _rank(rank: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = DistributedDataParallel(_model())
-        x, upstream = _batch()
-        half = slice(rank * 32, (rank + 1) * 32)  # the mean over each half, averaged by DDP: the global batch's mean
-        torch.save(_train(model, x[half], upstream[half], GradientScaler(model, update_interval=100)), out / f"rank{rank}.pt")
+        _ddp_steps(rank, out)
+        gc.collect()  # as in _inf_rank: DDP's and FSDP's reference cycles go before the process group does
     finally:
         dist.destroy_process_group()
 
@@ -219,8 +224,8 @@ def _inf_rank(rank: int, port: int, out: Path, sharding: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         _inf_step(rank, out, sharding)
-        # FSDP's modules hold reference cycles: collected now, not as the interpreter exits after the process
-        # group is gone, where gloo aborted 1 exit in 6-20 ("terminate called without an active exception").
+        # DDP's and FSDP's modules hold reference cycles: collected now, not as the interpreter exits after the
+        # process group is gone, where gloo aborted 1 exit in 6-20 ("terminate called without an active exception").
         gc.collect()
     finally:
         dist.destroy_process_group()

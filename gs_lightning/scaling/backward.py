@@ -195,7 +195,7 @@ class ScaledBackwards:
             self._warn_unhandled(graph, analysis)
         excluded = parent.leaf_ids() if parent is not None else set()
         deferrable = self._deferrable_leaves(graph, analysis, exit_leaves, excluded)
-        deferred = frozenset(deferrable & analysis.leaf_sources.keys())
+        deferred = _fed_once(deferrable, analysis)
         replay = not (update or not known)
         # A replay knows every scale before the backward: leaves fed by several edges can wait too, summed at one
         # scale, for fp32 (or wider) master weights; a weight kept in 16 bits is still unscaled edge by edge.
@@ -225,7 +225,7 @@ class ScaledBackwards:
             if self.graphs.current is not None:
                 self.graphs.current.force_update = True
             return None
-        analysis, replay = self.compiled.replay(graph, self.attached.module_names, lambda analysis: frozenset(self._deferrable_leaves(graph, analysis, frozenset(), set()) & analysis.leaf_sources.keys()))
+        analysis, replay = self.compiled.replay(graph, self.attached.module_names, lambda analysis: _fed_once(self._deferrable_leaves(graph, analysis, frozenset(), set()), analysis))
         leaves = LeafTargets(frozenset(j for j, _, _ in replay.deferred))
         prepared = PreparedBackward(graph, analysis, leaves, None, (), None, self.graphs.current)
         prepared.compiled = replay
@@ -352,6 +352,11 @@ class ScaledBackwards:
         scales.keep_update(run.layers, run.decisions.finite_flags, run.decisions.unread_rates)
         scales.force_update = False
         self.backoff.updated(run, scales)
+
+
+def _fed_once(leaves: frozenset[int], analysis: GraphAnalysis) -> frozenset[int]:
+    """Those of ``leaves`` fed by one edge: deferred on every backward, updates included."""
+    return frozenset(leaves & analysis.leaf_sources.keys())
 
 
 def _unscale_captured(prepared: PreparedBackward) -> list:

@@ -68,7 +68,7 @@ def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_t
     assert all(_step(scaler, model, optimizer, easy) for _ in range(3))  # an update, then replays
     assert _step(scaler, model, optimizer, hard)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
-    assert scaler._read.recompute._kept == {}  # what was kept is released with the step
+    assert scaler._read.recompute.held == 0  # what was kept is released with the step
     assert scaler.drift.non_finite == frozenset()  # the recomputed gradient is finite: nothing overflowed in the end
     reference = copy.deepcopy(model)
     reference.zero_grad(set_to_none=True)
@@ -92,10 +92,10 @@ def test_what_a_replay_kept_is_released_by_the_steps_read_before_the_optimizer_s
     with torch.autocast("cpu", dtype=torch.float16):
         loss = _loss(model, easy)
     scaler.backward(loss)
-    kept = scaler._read.recompute._kept
-    assert kept  # the replay kept its GEMMs' operands
+    recompute = scaler._read.recompute
+    assert recompute.kept  # the replay kept its GEMMs' operands
     held = []
-    optimizer.register_step_pre_hook(lambda *_: held.append(len(kept)))
+    optimizer.register_step_pre_hook(lambda *_: held.append(recompute.held))
     assert scaler.step(optimizer)
     assert held == [0]
 
@@ -147,7 +147,7 @@ def test_without_recomputation_nothing_is_kept_and_the_step_is_skipped() -> None
     with torch.autocast("cpu", dtype=torch.float16):
         loss = _loss(model, hard)
     scaler.backward(loss)
-    assert scaler._read.recompute._kept == {}  # no memory held for it
+    assert scaler._read.recompute.held == 0  # no memory held for it
     assert not scaler.step(optimizer)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (1, 0)
     with pytest.raises(ValueError, match="recompute_weight_gradients must be True or False, got 'yes'"):
@@ -231,7 +231,7 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
             loss = model(x).float().square().mean()
         scaler.backward(loss)
         if step == 1:
-            leaves = [p.leaf for kept in scaler._read.recompute._kept.values() for p in kept.parameters]
+            leaves = [p.leaf for kept in scaler._read.recompute.kept.values() for p in kept.parameters]
             assert scaler._read.recompute.recompute(leaves) is None  # nothing overflowed: nothing to recompute
             scaler._read.recompute.lambda_max = 0.0  # every value an overflow: the recomputation itself, compared
             recomputed = scaler._read.recompute.recompute(leaves)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -103,15 +104,16 @@ Rate = float | tuple[torch.Tensor, torch.Tensor]  # an underflow rate, or its co
 
 @dataclass(frozen=True)
 class UnreadRates:
-    """A layer's underflow rates where some were counted on the device: read with the step's (one synchronisation).
+    """A layer's underflow rates, filled in with the step's read (one synchronisation), not in the backward.
 
-    ``underflow_rate`` is the largest of the modelled and the measured rates (``if_none`` without any);
-    ``measured_underflow`` the largest measured one (``None`` without any), or the same as
-    ``underflow_rate`` where ``measured_is_rate``.
+    The modelled rates are evaluated then too (they only report: no decision reads them), outside the hook,
+    where host arithmetic runs between no kernels. ``underflow_rate`` is the largest of the modelled and the
+    measured rates (``if_none`` without any); ``measured_underflow`` the largest measured one (``None``
+    without any), or the same as ``underflow_rate`` where ``measured_is_rate``.
     """
 
     index: int  # the layer's position in its run's layers
-    modelled: tuple[float, ...]
+    modelled: tuple[Callable[[], float], ...]  # each evaluates one modelled rate
     measured: tuple[Rate, ...]
     if_none: float
     measured_is_rate: bool
@@ -123,7 +125,7 @@ class UnreadRates:
     def applied_to(self, layer: LayerScale, values: Iterator[float]) -> LayerScale:
         """``layer`` with its rates, ``values`` holding :meth:`tensors` as read."""
         measured = [rate if isinstance(rate, float) else counted_rate(next(values), next(values)) for rate in self.measured]
-        rate = max([*self.modelled, *measured], default=self.if_none)
+        rate = max([*(model() for model in self.modelled), *measured], default=self.if_none)
         return replace(layer, underflow_rate=rate, measured_underflow=rate if self.measured_is_rate else max(measured, default=None))
 
 
@@ -140,7 +142,7 @@ class NodeDecisions:
         layers: What each decision chose, in backward order.
         finite_flags: (layer, values finite iff its gradient is), for :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
-        unread_rates: The layers whose underflow was counted on the device (scales below the one that meets γ'):
+        unread_rates: The layers whose rates are filled in with the step's read (modelled, or counted on the device):
             their rates in :attr:`layers` are NaN until :meth:`UnreadRates.applied_to` reads them in.
         read_exponents: Exponents :meth:`common` left on the device -> their values, as the decisions below read them.
     """
@@ -250,7 +252,7 @@ class NodeDecisions:
         if limits.get(weight, math.inf) < wanted and min(limits.values()) == limits[weight]:
             limits[weight] = max(limits[weight], self._measured_weight_limit(i, grad))
         beta, limit = self.bounds.choose(i, alpha, lower, limits)
-        modelled = [gemm_underflow_rate(beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
+        modelled = [partial(gemm_underflow_rate, beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
         measured = [v.underflow_count(beta, s.lambda_min) for v in samples]
         self._add(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, math.nan, None, *limit), modelled, measured)
         return beta
@@ -373,10 +375,12 @@ class NodeDecisions:
         self._add(LayerScale(name, "opaque", beta, alpha_in + beta, math.nan), [], measured, if_none=math.nan, measured_is_rate=True)
         return alpha_in + beta
 
-    def _add(self, layer: LayerScale, modelled: list[float], measured: list[Rate], if_none: float = 0.0, measured_is_rate: bool = False) -> None:
-        """Record ``layer`` with its underflow rates: now where every one was counted on the host, else once they are read."""
+    def _add(
+        self, layer: LayerScale, modelled: list[Callable[[], float]], measured: list[Rate], if_none: float = 0.0, measured_is_rate: bool = False
+    ) -> None:
+        """Record ``layer``, its underflow rates filled in with the step's read (:class:`UnreadRates`); now where there is nothing to fill in."""
         rates = UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate)
-        if rates.tensors():
+        if rates.modelled or rates.tensors():
             self.layers.append(layer)
             self.unread_rates.append(rates)
         else:

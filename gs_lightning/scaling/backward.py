@@ -153,6 +153,21 @@ class ScaledBackwards:
         self.ran = []
         self.written.clear()
 
+    def skipped(self) -> Callable[[], str | None]:
+        """The iteration's first skipped step: cap the scales that overflowed in the structures whose gradients it would
+        have used and restore the attached models' buffers. Returns what finds the first non-finite layer among them."""
+        current = self.graphs.current
+        ran = self.ran or ([current] if current is not None else [])
+        self.backoff.skipped(ran)
+        non_finite = self.attached.restore_buffers()
+        if non_finite:
+            self.warn_once(
+                "buffers",
+                f"GradientScaler: a skipped step's forward had left {non_finite} non-finite buffer(s) (e.g. BatchNorm "
+                "running statistics); all buffers were restored to their values before that iteration.",
+            )
+        return lambda: next((scales.first_non_finite for scales in ran if scales.first_non_finite), None)
+
     def abandon(self) -> None:
         """Drop a prepared backward that did not finish: its hooks, and any still-scaled gradient."""
         prepared, self._prepared = self._prepared, None

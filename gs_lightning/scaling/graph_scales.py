@@ -185,9 +185,30 @@ class GraphRegistry:
         for graph in self._graphs:
             graph.analyses.clear()
 
+    def layers(self) -> dict[str, LayerScale]:
+        """Layer name -> what the last update of its structure chose, least recently run structure first (a layer
+        in two keeps the later one's)."""
+        merged: dict[str, LayerScale] = {}
+        for graph in self._graphs:
+            merged.update(graph.layers)
+        return merged
+
     def state_dict(self) -> list[dict[str, Any]]:
         return [graph.state_dict() for graph in self._graphs]
 
     def load_state_dict(self, state: list[dict[str, Any]], new_drift: Any) -> None:
         """Restore :meth:`state_dict`; ``new_drift()`` makes each structure's monitor."""
         self._graphs = [GraphScales.from_state_dict(graph, new_drift()) for graph in state]
+
+
+def one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """A scaler's state saved before it kept one state per graph structure, as :meth:`GraphRegistry.state_dict` has it."""
+    plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
+    root = next((plan for path, plan in plans if not path), None)
+    if root is None:
+        return []
+    return [{
+        "names": root["names"], "edges": root["edges"], "plans": plans, "drift": state.get("drift", {}),
+        "layer_backoff": state.get("layer_backoff", []), "layers": state["layers"], "first_non_finite": state.get("first_non_finite"),
+        "backwards": state["iteration"], "last_skip": state.get("last_skip", 0), "force_update": state.get("force_update", False),
+    }]

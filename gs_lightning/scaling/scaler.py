@@ -47,7 +47,7 @@ from gs_lightning.scaling.compiled import CompiledModule
 from gs_lightning.scaling.decide import LayerScale
 from gs_lightning.scaling.drift import DriftReading
 from gs_lightning.scaling.formats import float_format
-from gs_lightning.scaling.graph_scales import GraphScales
+from gs_lightning.scaling.graph_scales import GraphScales, one_graph_state
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
@@ -280,8 +280,8 @@ class GradientScaler:
             optimizer.step(*args, **kwargs)
             return True
         if self._steps.overflowed(optimizer, partial(self._non_finite, optimizer)):
-            if self._steps.skip():
-                self._skip()
+            if self._steps.skip():  # the iteration's first: cap what overflowed, restore the buffers, stop a diverged run
+                self._steps.check_diverged(self._backwards.skipped())
             return False
         optimizer.step(*args, **kwargs)
         if self._steps.stepped():
@@ -311,11 +311,11 @@ class GradientScaler:
 
     def scales(self) -> dict[str, float]:
         """{layer name: local scale β last chosen}, for every decision point."""
-        return {name: 2.0**layer.log2_scale for name, layer in self._layers().items()}
+        return {name: 2.0**layer.log2_scale for name, layer in self._backwards.graphs.layers().items()}
 
     def underflow_rates(self) -> dict[str, float]:
         """{layer name: the estimated underflow rate at the chosen scale} (NaN where no model applies)."""
-        return {name: layer.underflow_rate for name, layer in self._layers().items()}
+        return {name: layer.underflow_rate for name, layer in self._backwards.graphs.layers().items()}
 
     def layers(self) -> list[LayerScale]:
         """Everything the last update chose, layer by layer, in backward order (of each graph structure,
@@ -325,13 +325,7 @@ class GradientScaler:
         counts, its finiteness flags), as do :meth:`scales`, :meth:`underflow_rates`, :attr:`first_non_finite`
         and :meth:`state_dict`; otherwise host values only.
         """
-        return list(self._layers().values())
-
-    def _layers(self) -> dict[str, LayerScale]:
-        merged: dict[str, LayerScale] = {}
-        for graph in self._backwards.graphs:
-            merged.update(graph.layers)
-        return merged
+        return list(self._backwards.graphs.layers().values())
 
     @property
     def drift(self) -> DriftReading:
@@ -345,27 +339,26 @@ class GradientScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: counters, back-off and, per graph structure, every scale of its last update (plain containers)."""
+        backwards = self._backwards
         return {
             "recipe": self.recipe.state_dict(),
-            "iteration": self._backwards.iteration,
-            "skipped_steps": self._steps.skipped,
+            "iteration": backwards.iteration,
+            **self._steps.state_dict(),
             "recomputed_steps": self._read.recomputed_steps,
-            "update_iterations": self._backwards.update_iterations,
-            "consecutive_skips": self._steps.consecutive,
+            "update_iterations": backwards.update_iterations,
             "backoff": self._backoff.cap,
-            "graphs": self._backwards.graphs.state_dict(),
+            "graphs": backwards.graphs.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
         _check_state(state, self.recipe)
-        self._backwards.iteration = int(state["iteration"])
-        self._steps.skipped = int(state["skipped_steps"])
+        backwards = self._backwards
+        backwards.iteration, backwards.update_iterations = int(state["iteration"]), int(state.get("update_iterations", 0))
+        self._steps.load_state_dict(state)
         self._read.recomputed_steps = int(state.get("recomputed_steps", 0))
-        self._backwards.update_iterations = int(state.get("update_iterations", 0))
-        self._steps.consecutive = int(state.get("consecutive_skips", 0))
         self._backoff.cap = state["backoff"]
-        self._backwards.graphs.load_state_dict(state["graphs"] if "graphs" in state else _one_graph_state(state), self._backwards.new_drift)
+        backwards.graphs.load_state_dict(state["graphs"] if "graphs" in state else one_graph_state(state), backwards.new_drift)
 
     # Pickling and copy.deepcopy keep the settings and the state_dict(): no model, no state of an iteration in progress.
 
@@ -385,20 +378,6 @@ class GradientScaler:
         self._backwards.abandon()  # a scale() whose backward never ran, or failed
         if self._steps.any_stepped:
             self.update()
-
-    def _skip(self) -> None:
-        """The iteration's first skipped step: cap the scales that overflowed, restore the buffers, stop a diverged run."""
-        current = self._backwards.graphs.current
-        ran = self._backwards.ran or ([current] if current is not None else [])  # whose gradients this step would have used
-        self._backoff.skipped(ran)
-        non_finite = self._attached.restore_buffers()
-        if non_finite:
-            self._warn_once(
-                "buffers",
-                f"GradientScaler: a skipped step's forward had left {non_finite} non-finite buffer(s) (e.g. BatchNorm "
-                "running statistics); all buffers were restored to their values before that iteration.",
-            )
-        self._steps.check_diverged(lambda: next((scales.first_non_finite for scales in ran if scales.first_non_finite), None))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -439,16 +418,3 @@ def _check_state(state: dict[str, Any], recipe: ScalingRecipe) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-def _one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """A state saved before the scaler kept one state per graph structure, as :meth:`GraphRegistry.state_dict` has it."""
-    plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
-    root = next((plan for path, plan in plans if not path), None)
-    if root is None:
-        return []
-    return [{
-        "names": root["names"], "edges": root["edges"], "plans": plans, "drift": state.get("drift", {}),
-        "layer_backoff": state.get("layer_backoff", []), "layers": state["layers"], "first_non_finite": state.get("first_non_finite"),
-        "backwards": state["iteration"], "last_skip": state.get("last_skip", 0), "force_update": state.get("force_update", False),
-    }]

@@ -9,6 +9,7 @@ says where it diverged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -95,6 +96,14 @@ class OptimizerSteps:
             f"backward order on the last update iteration was at {where}. The run has diverged or its forward "
             "produces inf/NaN: lower the learning rate or check the inputs."
         )
+
+    def state_dict(self) -> dict[str, int]:
+        """The skipped steps' counts."""
+        return {"skipped_steps": self.skipped, "consecutive_skips": self.consecutive}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s counts (``consecutive_skips`` 0 where a state has none)."""
+        self.skipped, self.consecutive = int(state["skipped_steps"]), int(state.get("consecutive_skips", 0))
 
     @property
     def any_stepped(self) -> bool:

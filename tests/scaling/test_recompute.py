@@ -138,6 +138,23 @@ def test_recomputed_steps_are_saved_and_restored() -> None:
     assert _step(restored, model, optimizer, easy) and restored.recomputed_steps == 1
 
 
+def test_a_saved_operand_modified_in_place_fails_in_autograd_not_in_the_replays_keeping() -> None:
+    """The replay takes the operands before the backward; one that user code changed in place is not kept, and the
+    backward raises autograd's own error, as it would without the scaler."""
+    model, easy, _ = _setup("linear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model)
+    assert all(_step(scaler, model, optimizer, easy) for _ in range(2))  # an update, then a replay
+    hidden = model[1](model[0](easy))
+    loss = model[2](hidden).square().mean()
+    with torch.no_grad():
+        hidden.add_(1.0)  # the last Linear saved it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        scaler.backward(loss)
+    assert scaler._read.recompute.held == 0  # what the failed backward kept is released with it
+    assert _step(scaler, model, optimizer, easy)  # and the next iteration runs
+
+
 def test_without_recomputation_nothing_is_kept_and_the_step_is_skipped() -> None:
     model, easy, hard = _setup("linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

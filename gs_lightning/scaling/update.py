@@ -166,7 +166,7 @@ class UpdateRun:
         return tuple(grads)
 
     def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
-        with profiled(f"GradientScaler.decide:{self.analysis.layer_names[i]}"):
+        with profiled("GradientScaler.decide", self.analysis.layer_names[i]):
             return self._decision(i, grad, grad_extremes, grads, alpha)
 
     def _decision(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:

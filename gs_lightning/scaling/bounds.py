@@ -7,6 +7,7 @@ every cap (the user's, the back-off's, what the GEMMs downstream keep), and says
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,14 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from gs_lightning.scaling.drift import parameter_leaves
-from gs_lightning.scaling.gains import gains_above_one, gains_after, kept_downstream, node_gains
-from gs_lightning.scaling.gradient_stats import read
+from gs_lightning.scaling.gains import bounded_gains, gains_after, kept_downstream, node_gains
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
-from gs_lightning.scaling.limits import Bound, Limit
+from gs_lightning.scaling.limits import Bound, Limit, UnreadBound
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.underflow import choose_log2_scale, overflow_max_log2_scale
+from gs_lightning.scaling.underflow import as_float64, choose_log2_scale, finite, overflow_max_log2_scale
 
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
@@ -103,28 +103,16 @@ class ScaleBounds:
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
         self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
-        self._gains = node_gains(graph, analysis)  # on the device until a decision reads them with its statistics
-        self._gains_after: dict[int, float] | None = None if self._gains else {}
+        self._gains = node_gains(graph, analysis)  # before the backward frees what the nodes saved
+        self._gains_after: dict[int, torch.Tensor] | None = None
 
     @property
-    def gains_after(self) -> dict[int, float]:
-        """Node -> how much the gradient it receives can grow before the next decision (:func:`gains_after`).
-
-        The gains are read with the first decision's statistics (:meth:`unread_gains`); asked for before
-        any decision read, here (one synchronisation: a merge before the first decision point).
-        """
+    def gains_after(self) -> dict[int, torch.Tensor]:
+        """Node -> how much the gradient it receives can grow before the next decision (:func:`gains_after`),
+        on the device, unread; found as the first decision asks."""
         if self._gains_after is None:
-            self.take_gains(read(self.unread_gains()))
+            self._gains_after = gains_after(self.graph, self.analysis, bounded_gains(self._gains))
         return self._gains_after
-
-    def unread_gains(self) -> list[torch.Tensor]:
-        """The gains still on the device, for the next read to take with its own values (:meth:`take_gains`)."""
-        return [gain for _, gain in self._gains] if self._gains_after is None else []
-
-    def take_gains(self, values: list[float]) -> None:
-        """:meth:`unread_gains` as read, in order."""
-        self._gains_after = gains_after(self.graph, self.analysis, gains_above_one([j for j, _ in self._gains], values))
-        self._gains = []
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
@@ -191,57 +179,88 @@ class ScaleBounds:
             return exponent
         return exponent.clamp(max=cap) if isinstance(exponent, torch.Tensor) else min(exponent, cap)
 
-    def ceiling(self, i: int, alpha: int) -> int | None:
-        total = self.total_cap(i)
-        caps = [c for c in (self.settings.layer_cap, None if total is None else total - alpha) if c is not None]
-        return min(caps, default=None)
+    def ceiling(self, i: int, alpha: Exponent, device: torch.device) -> torch.Tensor | None:
+        """The highest local scale node ``i`` may take, receiving ``alpha`` (``None`` where nothing caps it), on ``device``."""
+        ceiling, _ = self._ceiling(i, alpha)
+        return None if ceiling is None else as_float64(ceiling, device)
 
-    def gain_into(self, edge: Slot | None) -> float:
-        """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again (:func:`gains_after`)."""
-        return 1.0 if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0], 1.0)
+    def gain_into(self, edge: Slot | None, device: torch.device) -> torch.Tensor:
+        """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again
+        (:func:`gains_after`), a 0-dim float64 tensor on ``device``, unread."""
+        gain = None if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0])
+        return as_float64(1.0 if gain is None else gain, device)
 
-    def choose(self, i: int, alpha: int, lower: float, limits: dict[Bound, float]) -> tuple[int, Bound]:
-        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits``, and what held it below ``lower``.
+    def choose(self, i: int, alpha: Exponent, lower: torch.Tensor, bounds: list[Bound], limits: torch.Tensor) -> tuple[torch.Tensor, UnreadBound]:
+        """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (log2, one per bound of
+        ``bounds``), and what held it below ``lower``.
 
-        Under expected parameter-gradient maxima, :attr:`ScalingRecipe.spike_room_log2` may lower the scale as far
-        as the same bound against :attr:`Settings.lambda_lost` allows.
+        On the device of ``lower`` (float64 tensors, as ``limits`` is), with no value read: the scale as a 0-dim
+        float64 tensor, the reason as an :class:`UnreadBound`. Under expected parameter-gradient maxima,
+        :attr:`ScalingRecipe.spike_room_log2` may lower the scale as far as the same bound against
+        :attr:`Settings.lambda_lost` allows.
         """
-        s, recipe = self.settings, self.settings.recipe
+        s, recipe, device = self.settings, self.settings.recipe, lower.device
         # Exact bounds keep at least the replay headroom; the others are loose already.
-        limits = {bound: value - (recipe.replay_headroom_log2 if bound.limit.exact else 0.0) for bound, value in limits.items()}
-        upper_bound, upper = min(limits.items(), key=lambda item: item[1], default=(Bound(Limit.NONE), math.inf))
-        caps = {Limit.LAYER_CAP: s.layer_cap}
-        if s.total_cap is not None:
-            caps[Limit.TOTAL_CAP] = s.total_cap - alpha
-        if i in s.node_caps:
-            caps[Limit.BACKOFF] = s.node_caps[i] - alpha
-        if i in self.kept_downstream:
-            caps[Limit.KEPT_DOWNSTREAM] = self.kept_downstream[i] - alpha
-        caps = {limit: cap for limit, cap in caps.items() if cap is not None}
-        ceiling = min(caps.values(), default=None)
+        values = limits - _per_bound(tuple(b.limit.exact for b in bounds), recipe.replay_headroom_log2, device)
+        upper = values.amin() if bounds else as_float64(math.inf, device)
+        ceiling, cap = self._ceiling(i, alpha)
         beta = choose_log2_scale(lower, upper, ceiling)
-        expected = any(bound.limit.expected for bound in limits)
-        if recipe.spike_room_log2 > 0.0 and expected and math.isfinite(lower) and s.lambda_lost < s.lambda_min:
+        candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
+        reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
+        if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
+            reason = torch.where((beta == ceiling) & (beta < torch.ceil(upper) - 1.0), cap, reason)
+        reason = torch.where((beta >= torch.ceil(lower)) | ~(lower < math.inf), 0, reason)
+        if recipe.spike_room_log2 > 0.0 and any(bound.limit.expected for bound in bounds) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
-            roomy = min(value - (recipe.spike_room_log2 if bound.limit.expected else 0.0) for bound, value in limits.items())
-            with_room = max(choose_log2_scale(lower, roomy, ceiling), min(beta, math.ceil(lost_lower)))
-            if with_room < beta:
-                return with_room, Bound(Limit.SPIKE_ROOM)
-        if not math.isfinite(lower) or beta >= math.ceil(lower):
-            return beta, Bound(Limit.NONE)
-        binding = next((limit for limit, cap in caps.items() if beta == cap), None)
-        if binding is not None and (not math.isfinite(upper) or beta < math.ceil(upper) - 1):
-            return beta, Bound(binding)
-        return beta, upper_bound
+            roomy = (values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)).amin()
+            with_room = torch.maximum(choose_log2_scale(lower, roomy, ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
+            roomier = finite(lower) & (with_room < beta)
+            beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, 1, reason)
+        return beta, UnreadBound(candidates, reason)
 
-    def expected_limits(self, i: int, alpha: int) -> dict[Bound, float]:
-        """The bounds from the parameter gradients GEMM ``i`` computes and feeds, as expected on the batches to come
-        (unscaled: the bound on the local scale leaves room for the scale ``alpha`` it receives)."""
-        s, limits = self.settings, {}
+    def _ceiling(self, i: int, alpha: Exponent) -> tuple[Exponent | None, int | torch.Tensor]:
+        """The highest local scale the caps leave node ``i`` receiving ``alpha`` (``None``: uncapped), and which cap
+        that is (its position in :meth:`choose`'s candidates: the first of :data:`CAPS` at that value)."""
+        s = self.settings
+        totals = [(k, c) for k, c in enumerate((s.total_cap, s.node_caps.get(i), self.kept_downstream.get(i)), 1) if c is not None]
+        if not totals:
+            return s.layer_cap, 2
+        lowest = min(c for _, c in totals)
+        total, position = lowest - alpha, 2 + next(k for k, c in totals if c == lowest)
+        if s.layer_cap is None:
+            return total, position
+        if not isinstance(total, torch.Tensor):
+            return (s.layer_cap, 2) if s.layer_cap <= total else (total, position)
+        return total.clamp(max=s.layer_cap), torch.where(total >= s.layer_cap, 2, position)
+
+    def expected_maxima(self, i: int, alpha: Exponent, device: torch.device) -> dict[Bound, torch.Tensor]:
+        """The largest values of the parameter gradients GEMM ``i`` computes and feeds, as expected on the batches to
+        come, times ``2^alpha`` and :attr:`ScalingRecipe.expected_maxima_margin_log2` (the bound on the local scale
+        leaves room for the scale ``alpha`` it receives): what :meth:`choose`'s overflow bounds keep below λmax."""
+        maxima = {}
         expected = self.expected.get(i, 0.0)
         if expected > 0.0:
             kind = Limit.RECOMPUTED_SPIKES if i in self.recomputable else Limit.EXPECTED_PARAMETER_GRADIENTS
-            limits[Bound(kind)] = overflow_max_log2_scale(expected * 2.0 ** (self.expected_margin() + alpha), s.lambda_max)
+            maxima[Bound(kind)] = expected * _pow2(self.expected_margin() + alpha, device)
         if i in self.fed_maxima:
-            limits[Bound(Limit.FED_PARAMETER_GRADIENTS)] = overflow_max_log2_scale(self.fed_maxima[i] * 2.0 ** (self.expected_margin() + alpha), s.lambda_max)
-        return limits
+            maxima[Bound(Limit.FED_PARAMETER_GRADIENTS)] = self.fed_maxima[i] * _pow2(self.expected_margin() + alpha, device)
+        return maxima
+
+def _pow2(exponent: Exponent | float, device: torch.device) -> torch.Tensor:
+    """2^exponent as a 0-dim float64 tensor on ``device`` (exact for an integer exponent)."""
+    return torch.exp2(as_float64(exponent, device))
+
+
+# The caps choose() names, in the order it names the first that holds a scale.
+CAPS = (Limit.LAYER_CAP, Limit.TOTAL_CAP, Limit.BACKOFF, Limit.KEPT_DOWNSTREAM)
+
+
+@functools.lru_cache(maxsize=256)
+def _per_bound(applies: tuple[bool, ...], value: float, device: torch.device) -> torch.Tensor:
+    """A float64 vector on ``device``: ``value`` where ``applies``, else 0; made once per pattern (filled in
+    there, not copied from the host)."""
+    vector = torch.zeros(len(applies), dtype=torch.float64, device=device)
+    for k, applied in enumerate(applies):
+        if applied:
+            vector[k] = value
+    return vector

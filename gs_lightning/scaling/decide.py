@@ -3,16 +3,18 @@
 Each kind of decision point has its rule: a GEMM (Theorem 1, with exact probes of what it sends on and of
 its weight gradient), a cast (an order statistic of the gradient, or Theorem 2), fused attention and RNNs
 (exact probes), an opaque region (a dynamic loss scale's rule), and the merge of gradients that carry
-different scales (Algorithm 1, line 17). Every rule measures a few statistics of the tensors at hand, reads
-them to the host in one synchronisation, and leaves the choice to :meth:`ScaleBounds.choose
-<gs_lightning.scaling.bounds.ScaleBounds.choose>`. What each chose is a :class:`LayerScale`.
+different scales (Algorithm 1, line 17). Every rule measures a few statistics of the tensors at hand and
+leaves the choice to :meth:`ScaleBounds.choose <gs_lightning.scaling.bounds.ScaleBounds.choose>`, all on
+the gradients' device: no value is read to the host during the backward. A decision is an
+:class:`UnreadLayer` until the run reads every decision at once (:meth:`NodeDecisions.read_in`), and a
+:class:`LayerScale` after.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
@@ -21,23 +23,14 @@ import torch
 
 from gs_lightning.scaling.bounds import ScaleBounds, Settings
 from gs_lightning.scaling.formats import FORMATS
-from gs_lightning.scaling.gradient_stats import (
-    Extremes,
-    FiniteFlags,
-    OrderStatistics,
-    extremes,
-    magnitude,
-    magnitudes,
-    read,
-    rms,
-    stats_and_samples,
-)
+from gs_lightning.scaling.gradient_stats import Extremes, FiniteFlags, all_finite, extremes, magnitude, rms
 from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis
-from gs_lightning.scaling.limits import Bound, Limit, describe, parse
-from gs_lightning.scaling.plan import Exponent, times_pow2
+from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, describe, parse
+from gs_lightning.scaling.plan import Exponent, exponent_vector, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
 from gs_lightning.scaling.underflow import (
     ExactSample,
+    as_float64,
     branch_log2_scale,
     cast_min_log2_scale,
     cast_underflow_rate,
@@ -99,38 +92,69 @@ class LayerScale:
         return cls(**{**fields, "limit_index": index}, limit=limit)
 
 
-Rate = float | tuple[torch.Tensor, torch.Tensor]  # an underflow rate, or its counts on the device (ExactSample.underflow_count)
+@dataclass(frozen=True)
+class UnreadLayer:
+    """A decision as taken on the device: what its :class:`LayerScale` records, before the read that fills it in.
+
+    ``decided`` is false where the statistics were not finite (the step will be skipped whatever the scale):
+    the scale ``log2_scale`` passes through then, and no rate is recorded.
+    """
+
+    name: str
+    kind: str
+    log2_scale: Exponent
+    alpha: Exponent  # the scale the node received
+    bound: UnreadBound | None = None
+    decided: bool | torch.Tensor = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What to read."""
+        index = None if self.bound is None else self.bound.index
+        return [t for t in (self.log2_scale, self.alpha, index, self.decided) if isinstance(t, torch.Tensor)]
+
+    def read(self, values: Mapping[torch.Tensor, float]) -> tuple[LayerScale, bool]:
+        """The layer, with ``values`` holding :meth:`tensors` as read; and whether it decided."""
+        beta, decided = int(_value(self.log2_scale, values)), bool(_value(self.decided, values))
+        total = int(_value(self.alpha, values)) + beta
+        if not decided or self.bound is None:
+            return LayerScale(self.name, self.kind, beta, total, math.nan), decided
+        bound = self.bound.read(values[self.bound.index])
+        return LayerScale(self.name, self.kind, beta, total, math.nan, None, *bound), True
+
+
+ModelledRate = tuple[Callable[..., float], tuple[torch.Tensor, ...]]  # rate(log2 scale, *statistics as read), its statistics
 
 
 @dataclass(frozen=True)
 class UnreadRates:
     """A layer's underflow rates, filled in with the step's read (one synchronisation), not in the backward.
 
-    The modelled rates are evaluated then too (they only report: no decision reads them), outside the hook,
-    where host arithmetic runs between no kernels. ``underflow_rate`` is the largest of the modelled and the
-    measured rates (``if_none`` without any); ``measured_underflow`` the largest measured one (``None``
-    without any), or the same as ``underflow_rate`` where ``measured_is_rate``.
+    The modelled rates are evaluated then too (they only report: no decision reads them), on the host,
+    from their statistics as read. ``underflow_rate`` is the largest of the modelled and the measured
+    rates (``if_none`` without any); ``measured_underflow`` the largest measured one (``None`` without
+    any), or the same as ``underflow_rate`` where ``measured_is_rate``.
     """
 
     index: int  # the layer's position in its run's layers
-    modelled: tuple[Callable[[], float], ...]  # each evaluates one modelled rate
-    measured: tuple[Rate, ...]
+    modelled: tuple[ModelledRate, ...]
+    measured: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (below λmin, nonzero) counts: ExactSample.underflow_count
     if_none: float
     measured_is_rate: bool
 
     def tensors(self) -> list[torch.Tensor]:
-        """The counts to read, in order."""
-        return [t for rate in self.measured if not isinstance(rate, float) for t in rate]
+        """The statistics and counts to read, in order."""
+        return [t for _, statistics in self.modelled for t in statistics] + [t for counts in self.measured for t in counts]
 
     def applied_to(self, layer: LayerScale, values: Iterator[float]) -> LayerScale:
         """``layer`` with its rates, ``values`` holding :meth:`tensors` as read."""
-        measured = [rate if isinstance(rate, float) else counted_rate(next(values), next(values)) for rate in self.measured]
-        rate = max([*(model() for model in self.modelled), *measured], default=self.if_none)
+        modelled = [rate(layer.log2_scale, *(next(values) for _ in statistics)) for rate, statistics in self.modelled]
+        measured = [counted_rate(next(values), next(values)) for _ in self.measured]
+        rate = max([*modelled, *measured], default=self.if_none)
         return replace(layer, underflow_rate=rate, measured_underflow=rate if self.measured_is_rate else max(measured, default=None))
 
 
 class NodeDecisions:
-    """The scale of each decision point of one update run (module docstring).
+    """The scale of each decision point of one update run (module docstring), taken on the device.
 
     Args:
         graph: The walked backward graph.
@@ -139,25 +163,23 @@ class NodeDecisions:
         bounds: The caps and the rules' bounds on each node's scale.
 
     Attributes:
-        layers: What each decision chose, in backward order.
+        layers: What each decision chose, in backward order: :class:`UnreadLayer` until :meth:`read_in`.
         finite_flags: (layer, values finite iff its gradient is), for :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
-        unread_rates: The layers whose rates are filled in with the step's read (modelled, or counted on the device):
-            their rates in :attr:`layers` are NaN until :meth:`UnreadRates.applied_to` reads them in.
-        read_exponents: Exponents :meth:`common` left on the device -> their values, as the decisions below read them.
+        unread_rates: The layers' rates, filled in with the step's read (:meth:`UnreadRates.applied_to`):
+            their rates in :attr:`layers` are NaN until then.
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
         self.graph, self.analysis, self.settings, self.bounds = graph, analysis, settings, bounds
-        self.layers: list[LayerScale] = []
+        self.layers: list[LayerScale | UnreadLayer] = []
         self.finite_flags: FiniteFlags = []
-        self.opaque_probes: dict[int, tuple[int, float]] = {}
+        self.opaque_probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.unread_rates: list[UnreadRates] = []
-        self.read_exponents: dict[torch.Tensor, int] = {}  # exponents merges left on the device, as decisions read them
 
-    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
+    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
-        the present ones) carries the accumulated scale ``alpha``; recorded in :attr:`layers`."""
+        the present ones) carries the accumulated scale ``alpha``; recorded in :attr:`layers`. Unread."""
         if i in self.analysis.gemms:
             return self.gemm_scale(i, grad, grad_extremes, alpha)
         if i in self.analysis.fused:
@@ -171,7 +193,7 @@ class NodeDecisions:
         not on each part; it is checked even when they share a scale if the sum is taken in a low
         precision, where it can overflow though every part is finite (a weight used three times
         under autocast). Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`. Taken on the
-        parts' device: the scale is returned there, unread (the next decision reads it with its own statistics).
+        parts' device: the scale is returned there, unread.
 
         A sum taken in a wider format than the gradients' (fp32 under autocast: a Transformer's
         residual stream around its LayerNorms) gets the smallest incoming scale
@@ -184,21 +206,24 @@ class NodeDecisions:
         alphas = [a for _, a in parts]
         low_precision = any(g.dtype in FORMATS for g, _ in parts)
         on_device = any(isinstance(a, torch.Tensor) for a in alphas)
+        device = parts[0][0].device
         if summed and not low_precision and self.settings.recipe.wide_branch_scale == "smallest":
-            return self.bounds.capped(_stacked(alphas, parts[0][0].device).amin() if on_device else min(alphas), i)
+            return self.bounds.capped(exponent_vector(alphas, device).amin() if on_device else min(alphas), i)
         low_precision_sum = summed and len(parts) > 1 and low_precision
         known_equal = all(a is alphas[0] for a in alphas) or (not on_device and len(set(alphas)) == 1)
         if known_equal and not low_precision_sum:
             return alphas[0]
-        exponents = _stacked(alphas, parts[0][0].device)
+        exponents = exponent_vector(alphas, device)
         low_high = torch.stack([v.double() for g, _ in parts for v in extremes(g)]).view(-1, 2)  # parts of several dtypes
         true_maxima = torch.maximum(-low_high[:, 0], low_high[:, 1]) * torch.exp2(-exponents)  # NaN where a part holds one
-        largest = (true_maxima.sum() if summed else true_maxima.amax()) * self.bounds.gains_after.get(i, 1.0)
+        largest = true_maxima.sum() if summed else true_maxima.amax()
+        gain = self.bounds.gains_after.get(i)
+        largest = largest if gain is None else largest * gain.to(device)
         headroom = self.settings.recipe.replay_headroom_log2
         chosen = self.bounds.capped(branch_log2_scale(exponents, largest * 2.0**headroom, self.settings.lambda_max), i)
         return chosen if low_precision_sum else torch.where((exponents == exponents[0]).all(), exponents[0], chosen)
 
-    def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
+    def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.
 
         The first layer sends no activation gradient on: its weight gradients alone decide its scale.
@@ -213,48 +238,42 @@ class NodeDecisions:
             return self.non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
-        recipe = s.recipe
+        recipe, device = s.recipe, grad.device
         sent = [v for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands) if v is not None] if recipe.exact_probes else []
         samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
-        (grad_rms, *values), orders, alpha = self._read(
-            [rms(grad), *grad_extremes, *(v for _, op in operands for v in (rms(op.operand), *extremes(op.operand))), *weight_bounds.values()],
-            samples,
-            alpha,
-        )
-        grad_max = magnitude(*values[:2])
-        if not math.isfinite(grad_max):  # the step will be skipped whatever the scale
-            return self.non_finite(i, "gemm", alpha)
-        operand_values, weight_values = values[2 : 2 + 3 * len(operands)], values[2 + 3 * len(operands) :]
-        operand_stats = [v for k in range(len(operands)) for v in (operand_values[3 * k], magnitude(*operand_values[3 * k + 1 : 3 * k + 3]))]
-        if not all(map(math.isfinite, (*operand_stats, *weight_values))):  # a non-finite forward: skipped whatever the scale
-            return self.non_finite(i, "gemm", alpha)
-        weight_stats = dict(zip(weight_bounds, weight_values))
+        grad_rms, grad_max = rms(grad).double(), magnitude(grad_extremes)
+        operand_rms = [rms(op.operand).double() for _, op in operands]
+        operand_max = [magnitude(extremes(op.operand)) for _, op in operands]
+        weight_stats = {tensor: bound.double() for tensor, bound in weight_bounds.items()}
+        # a non-finite gradient or forward: the step is skipped whatever the scale
+        decided = all_finite([grad_max, *operand_rms, *operand_max, *weight_stats.values()])
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
-        sigmas = [gemm_sigma(n, grad_rms, operand_stats[2 * k]) for k, n in enumerate(lengths)]
-        lower = max(
+        sigmas = [gemm_sigma(n, grad_rms, operand_rms[k]) for k, n in enumerate(lengths)]
+        lower = largest(
             [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(samples, orders)],
-            default=-math.inf,
+            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
+            device,
         )
-        limits = {
-            Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max),
+        maxima = {
+            Bound(Limit.INCOMING_GRADIENT): grad_max,
             **{
-                Bound(Limit.INPUT_GRADIENT, k): overflow_max_log2_scale(
-                    op.accumulation_length * grad_max * operand_stats[2 * j + 1] * self.bounds.gain_into(self.graph.edges[i][k]), s.lambda_max
-                )
+                Bound(Limit.INPUT_GRADIENT, k): op.accumulation_length * grad_max * operand_max[j] * self.bounds.gain_into(self.graph.edges[i][k], device)
                 for j, (k, op) in enumerate(operands)
             },
-            **{Bound(Limit(tensor)): overflow_max_log2_scale(bound, s.lambda_max) for tensor, bound in weight_stats.items()},
+            **{Bound(Limit(tensor)): bound for tensor, bound in weight_stats.items()},
+            **self.bounds.expected_maxima(i, alpha, device),
         }
-        limits.update(self.bounds.expected_limits(i, alpha))
-        wanted = max(lower, 0.0)  # β is never below 0 unless an overflow bound forces it
-        weight = Bound(Limit.WEIGHT_GRADIENT)
-        if limits.get(weight, math.inf) < wanted and min(limits.values()) == limits[weight]:
-            limits[weight] = max(limits[weight], self._measured_weight_limit(i, grad))
-        beta, limit = self.bounds.choose(i, alpha, lower, limits)
-        modelled = [partial(gemm_underflow_rate, beta, sigma, s.lambda_min, n) for sigma, n in zip(sigmas, lengths)]
+        bounds, limits = list(maxima), overflow_max_log2_scale(torch.stack(list(maxima.values())), s.lambda_max)
+        if Bound(Limit.WEIGHT_GRADIENT) in maxima:  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one
+            w = bounds.index(Bound(Limit.WEIGHT_GRADIENT))
+            binds = (limits[w] < lower.clamp_min(0.0)) & (limits.amin() == limits[w])
+            limits = limits.clone()
+            limits[w] = torch.where(binds, torch.maximum(limits[w], self._measured_weight_limit(i, grad)), limits[w])
+        beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
+        beta = torch.where(decided, beta, 0.0)
+        modelled = [(partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,)) for sigma, n in zip(sigmas, lengths)]
         measured = [v.underflow_count(beta, s.lambda_min) for v in samples]
-        self._add(LayerScale(self.analysis.layer_names[i], "gemm", beta, alpha + beta, math.nan, None, *limit), modelled, measured)
+        self._add(UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided), modelled, measured)
         return beta
 
     def _weight_samples(self, i: int, grad: torch.Tensor, elements: int | None = None) -> list[torch.Tensor]:
@@ -269,26 +288,24 @@ class NodeDecisions:
         node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad, recipe.weight_probe_elements, recipe.weight_probe_macs)
         return [values for k in self.analysis.weight_edges[i] if (values := probe(node, grad, k, None, elements)) is not None]
 
-    def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> float:
-        """The overflow bound from the weight gradient itself, computed in fp32, with :attr:`ScalingRecipe.weight_grad_margin_log2` to spare.
-
-        Only where the Cauchy–Schwarz bound is what keeps a scale from meeting γ' (one more GEMM
-        on such layers, on update iterations only), with exact probes.
-        """
+    def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """The overflow bound from the weight gradient itself, computed in fp32, with :attr:`ScalingRecipe.weight_grad_margin_log2`
+        to spare: one more GEMM per layer with a weight gradient, on update iterations. ``inf`` without exact probes
+        (the Cauchy–Schwarz bound then binds nowhere it would keep the scale from γ')."""
         exact = self._weight_samples(i, grad, elements=sys.maxsize) if self.settings.recipe.exact_probes else []
         if not exact:
-            return math.inf
-        largest = max(magnitudes([extremes(values) for values in exact]))
-        return overflow_max_log2_scale(largest * 2.0**self.settings.recipe.weight_grad_margin_log2, self.settings.lambda_max)
+            return as_float64(math.inf, grad.device)
+        most = torch.stack([magnitude(extremes(values)) for values in exact]).amax()
+        return overflow_max_log2_scale(most * 2.0**self.settings.recipe.weight_grad_margin_log2, self.settings.lambda_max)
 
-    def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
+    def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others);
         Theorem 2 where the recipe has no exact probes."""
         if not self.settings.recipe.exact_probes:
             return self._log_normal_cast_scale(i, grad, grad_extremes, alpha)
         return self._sampled_scale(i, "cast", [grad], grad_extremes, alpha)
 
-    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> int:
+    def _log_normal_cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         """Theorem 2: ln|∇y| over the nonzero elements taken as N(μ, σ²), the paper's model of a cast."""
         s = self.settings
         magnitudes_ = detached(grad).float().abs()
@@ -297,18 +314,17 @@ class NodeDecisions:
         logs = torch.where(nonzero, magnitudes_.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
         mean = logs.sum() / count.clamp_min(1)
         variance = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / count.clamp_min(1)
-        (low, high, log_mean, log_variance, nonzero_count), _, alpha = self._read([*grad_extremes, mean, variance, count], [], alpha)
-        grad_max = magnitude(low, high)
-        if not math.isfinite(grad_max) or nonzero_count == 0:
-            return self.non_finite(i, "cast", alpha)
-        log_std = math.sqrt(max(log_variance, 0.0))
+        grad_max = magnitude(grad_extremes)
+        decided = torch.isfinite(grad_max) & (count > 0)
+        log_mean, log_std = mean.double(), variance.double().clamp_min(0.0).sqrt()
         lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
-        beta, limit = self.bounds.choose(i, alpha, lower, {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)})
-        rate = cast_underflow_rate(beta, log_mean, log_std, s.lambda_min)
-        self.layers.append(LayerScale(self.analysis.layer_names[i], "cast", beta, alpha + beta, rate, None, *limit))
+        beta, bound = self.bounds.choose(i, alpha, lower, [Bound(Limit.INCOMING_GRADIENT)], overflow_max_log2_scale(grad_max, s.lambda_max).view(1))
+        beta = torch.where(decided, beta, 0.0)
+        modelled = [(partial(cast_underflow_rate, lambda_min=s.lambda_min), (log_mean, log_std))]
+        self._add(UnreadLayer(self.analysis.layer_names[i], "cast", beta, alpha, bound, decided), modelled, [])
         return beta
 
-    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]) -> int:
+    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]) -> Exponent:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
         node, name = self.graph.nodes[i], self.graph.names[i]
         if name in RNN_NODES:
@@ -317,102 +333,94 @@ class NodeDecisions:
             kind, samples = "attention", [probe(node, grad, k, None, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
         return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad_extremes, alpha)
 
-    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent) -> int:
+    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         s = self.settings
         if not samples:
             return self.non_finite(i, kind, alpha)
+        device = grad_extremes[0].device
         exact = [ExactSample(v) for v in samples]
-        pairs = [grad_extremes, *(extremes(v) for v in samples)]
-        values, orders, alpha = self._read([v for pair in pairs for v in pair], exact, alpha)
-        (grad_max, *sample_max) = [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
-        if not all(map(math.isfinite, (grad_max, *sample_max))):
-            return self.non_finite(i, kind, alpha)
-        lower = max(v.min_log2_scale(s.lambda_min, s.underflow_rate, read) for v, read in zip(exact, orders))
-        limits = {Bound(Limit.INCOMING_GRADIENT): overflow_max_log2_scale(grad_max, s.lambda_max)}
-        gain = max((self.bounds.gain_into(edge) for edge in self.graph.edges[i]), default=1.0)  # whichever edge a sample left by
-        for k, m in enumerate(sample_max):
-            limits[Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None)] = overflow_max_log2_scale(m * gain, s.lambda_max)
-        beta, limit = self.bounds.choose(i, alpha, lower, limits)
+        grad_max, sample_max = magnitude(grad_extremes), [magnitude(extremes(v)) for v in samples]
+        decided = all_finite([grad_max, *sample_max])
+        lower = largest([v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact], device)
+        gain = largest([self.bounds.gain_into(edge, device) for edge in self.graph.edges[i]], device, 1.0)  # whichever edge a sample left by
+        bounds = [Bound(Limit.INCOMING_GRADIENT), *(Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None) for k in range(len(sample_max)))]
+        limits = overflow_max_log2_scale(torch.stack([grad_max, *(m * gain for m in sample_max)]), s.lambda_max)
+        beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
+        beta = torch.where(decided, beta, 0.0)
         measured = [v.underflow_count(beta, s.lambda_min) for v in exact]
-        self._add(LayerScale(self.analysis.layer_names[i], kind, beta, alpha + beta, math.nan, None, *limit), [], measured, measured_is_rate=True)
+        self._add(UnreadLayer(self.analysis.layer_names[i], kind, beta, alpha, bound, decided), [], measured, measured_is_rate=True)
         return beta
 
-    def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> int:
+    def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> torch.Tensor:
         """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
-        (low, high), _, alpha = self._read(list(grad_extremes), [], alpha)
-        grad_max = magnitude(low, high)
-        upper = overflow_max_log2_scale(grad_max, self.settings.lambda_max)
-        beta = math.ceil(upper) - 1 - self.settings.recipe.opaque_probe_headroom_log2 if math.isfinite(upper) else 0
-        ceiling = self.bounds.ceiling(i, alpha)
-        beta = beta if ceiling is None else min(beta, ceiling)
+        device = grad_extremes[0].device
+        upper = overflow_max_log2_scale(magnitude(grad_extremes), self.settings.lambda_max)
+        beta = torch.where(torch.isfinite(upper), torch.ceil(upper) - 1.0 - self.settings.recipe.opaque_probe_headroom_log2, 0.0)
+        ceiling = self.bounds.ceiling(i, alpha, device)
+        beta = beta if ceiling is None else torch.minimum(beta, ceiling)
         self.opaque_probes[i] = (beta, upper)
         return beta
 
-    def settle_opaque(self, i: int, out: list[torch.Tensor | None], alpha: int) -> int:
+    def settle_opaque(self, i: int, out: list[torch.Tensor | None], alpha: Exponent) -> Exponent:
         """Scale an opaque region as a dynamic loss scale would: one binade below the overflow of what entered or left it.
 
         What left it was computed at the probe scale; it is shifted (exactly, a power of two) to the
         scale chosen, which the iterations until the next update replay. Returns the scale its
-        outgoing gradients carry; ``out`` is shifted in place.
+        outgoing gradients carry; ``out`` is shifted in place. Where those are not finite the step is
+        skipped and the back-off lowers the probe: the probe scale stays.
         """
-        probe, upper_in = self.opaque_probes.pop(i)
-        alpha_in, name = alpha - probe, self.analysis.layer_names[i]
+        probe_scale, upper_in = self.opaque_probes.pop(i)
+        alpha_in, name, device = alpha - probe_scale, self.analysis.layer_names[i], probe_scale.device
         grads = [g for g in out if g is not None and g.is_floating_point()]
         pairs = [extremes(g) for g in grads]
         if pairs:
             self.finite_flags.append((name, tuple(v for pair in pairs for v in pair)))
-        maxima = magnitudes(pairs)
-        if not all(map(math.isfinite, maxima)):  # the step is skipped; the back-off lowers the probe
-            self.layers.append(LayerScale(name, "opaque", probe, alpha, math.nan))
-            return alpha
-        upper = min([upper_in] + [probe + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima])
-        beta = math.ceil(upper) - 2 if math.isfinite(upper) else 0  # one binade of margin below the largest
-        ceiling = self.bounds.ceiling(i, alpha_in)
-        beta = beta if ceiling is None else min(beta, ceiling)
+        maxima = [magnitude(pair) for pair in pairs]
+        decided = all_finite(maxima) if maxima else True
+        upper = torch.stack([upper_in, *(probe_scale + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima)]).amin()
+        beta = torch.where(torch.isfinite(upper), torch.ceil(upper) - 2.0, 0.0)  # one binade of margin below the largest
+        ceiling = self.bounds.ceiling(i, alpha_in, device)
+        beta = beta if ceiling is None else torch.minimum(beta, ceiling)
+        beta = torch.where(decided, beta, probe_scale) if maxima else beta
         for k, g in enumerate(out):
-            out[k] = times_pow2(g, beta - probe) if g is not None and g.is_floating_point() else g
-        measured = [ExactSample(g).underflow_count(beta - probe, self.settings.lambda_min) for g in grads if g.numel()]
-        self._add(LayerScale(name, "opaque", beta, alpha_in + beta, math.nan), [], measured, if_none=math.nan, measured_is_rate=True)
+            out[k] = times_pow2(g, beta - probe_scale) if g is not None and g.is_floating_point() else g
+        measured = [ExactSample(g).underflow_count(beta - probe_scale, self.settings.lambda_min) for g in grads if g.numel()]
+        self._add(UnreadLayer(name, "opaque", beta, alpha_in, None, decided), [], measured, if_none=math.nan, measured_is_rate=True)
         return alpha_in + beta
 
     def _add(
-        self, layer: LayerScale, modelled: list[Callable[[], float]], measured: list[Rate], if_none: float = 0.0, measured_is_rate: bool = False
+        self, layer: UnreadLayer, modelled: list[ModelledRate], measured: list[tuple[torch.Tensor, torch.Tensor]], if_none: float = 0.0, measured_is_rate: bool = False
     ) -> None:
-        """Record ``layer``, its underflow rates filled in with the step's read (:class:`UnreadRates`); now where there is nothing to fill in."""
-        rates = UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate)
-        if rates.modelled or rates.tensors():
-            self.layers.append(layer)
-            self.unread_rates.append(rates)
-        else:
-            self.layers.append(rates.applied_to(layer, iter(())))
+        """Record ``layer``, its underflow rates filled in with the step's read (:class:`UnreadRates`)."""
+        self.unread_rates.append(UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate))
+        self.layers.append(layer)
 
     def non_finite(self, i: int, kind: str, alpha: Exponent) -> int:
-        """No decision (no finite statistics, or none readable, to decide on): the scale passes through."""
-        self.layers.append(LayerScale(self.analysis.layer_names[i], kind, 0, self._host(alpha), math.nan))
+        """No decision (no statistics to decide on): the scale passes through."""
+        self.layers.append(UnreadLayer(self.analysis.layer_names[i], kind, 0, alpha, None, False))
         return 0
 
-    def _read(self, values: list[torch.Tensor], samples: list[ExactSample], alpha: Exponent) -> tuple[list[float], list[OrderStatistics], int]:
-        """:func:`~gs_lightning.scaling.gradient_stats.stats_and_samples` of a decision's statistics, with the scale
-        ``alpha`` its gradient carries where a merge left it on the device, and the gains no decision read yet
-        (:meth:`ScaleBounds.unread_gains`): one synchronisation."""
-        unread, gains = isinstance(alpha, torch.Tensor), [g.to(values[0].device) for g in self.bounds.unread_gains()]  # a model over devices
-        read_values, orders = stats_and_samples([*values, *gains, *([alpha] if unread else [])], samples, self.settings.underflow_rate)
-        if unread:
-            self.read_exponents[alpha] = int(read_values.pop())
-            alpha = self.read_exponents[alpha]
-        if gains:
-            self.bounds.take_gains(read_values[len(values) :])
-        return read_values[: len(values)], orders, alpha
+    def unread(self) -> list[torch.Tensor]:
+        """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided."""
+        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()]
 
-    def _host(self, alpha: Exponent) -> int:
-        """The value of ``alpha``: as a decision read it, or read now (one synchronisation) where none did."""
-        if not isinstance(alpha, torch.Tensor):
-            return alpha
-        if alpha not in self.read_exponents:
-            self.read_exponents[alpha] = int(read([alpha])[0])
-        return self.read_exponents[alpha]
+    def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
+        """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the rates of
+        layers that did not decide dropped (their rate stays NaN)."""
+        undecided = set()
+        for k, layer in enumerate(self.layers):
+            if isinstance(layer, UnreadLayer):
+                self.layers[k], decided = layer.read(values)
+                if not decided:
+                    undecided.add(k)
+        self.unread_rates = [rates for rates in self.unread_rates if rates.index not in undecided]
 
 
-def _stacked(exponents: list[Exponent], device: torch.device) -> torch.Tensor:
-    """``exponents`` as one float64 vector on ``device``; a Python int is filled in there, not copied from the host."""
-    return torch.stack([e.to(device) if isinstance(e, torch.Tensor) else torch.full((), e, dtype=torch.float64, device=device) for e in exponents])
+def largest(values: list[torch.Tensor], device: torch.device, default: float = -math.inf) -> torch.Tensor:
+    """The largest of the 0-dim ``values`` (``default`` without any), float64 on ``device``."""
+    return torch.stack(values).amax() if values else as_float64(default, device)
+
+
+def _value(value: Exponent | bool, values: Mapping[torch.Tensor, float]) -> float:
+    """``value`` as read (in ``values``) where it is a tensor."""
+    return values[value] if isinstance(value, torch.Tensor) else value

@@ -3,6 +3,7 @@ factors, a first backward's saved gradients under a second), and the scales the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Container, Iterator, Mapping
 
@@ -98,7 +99,7 @@ def saved_gradient_gain(node: Node) -> torch.Tensor | None:
 
 def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int, torch.Tensor]]:
     """(node, how much it can multiply the gradient it passes on) where that is known, 0-dim tensors on the device,
-    unread (:func:`gains_above_one` takes them as read): a batch norm's gain
+    unread (:func:`bounded_gains` bounds them): a batch norm's gain
     (:func:`~gs_lightning.scaling.graph.batch_norm_gains`, all computed together), a product by a constant
     (:func:`constant_factor`), a saved first-order gradient (:func:`saved_gradient_gain`)."""
     candidates = analysis.derive("gain nodes", lambda: [j for j, name in enumerate(graph.names) if _may_have_gain(name)])
@@ -112,9 +113,10 @@ def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int,
     return found
 
 
-def gains_above_one(nodes: list[int], values: list[float]) -> dict[int, float]:
-    """Node -> its gain as read (:func:`node_gains`' order), where above 1 and finite."""
-    return {j: v for j, v in zip(nodes, values) if 1.0 < v < math.inf}
+def bounded_gains(found: list[tuple[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Node -> its gain (:func:`node_gains`), float64 on its device, unread: 1 where it is at most 1 or not finite
+    (a gain below 1 protects nothing downstream; an infinite one bounds nothing)."""
+    return {j: torch.where((gain > 1.0) & torch.isfinite(gain), gain.double(), 1.0) for j, gain in found}
 
 
 def _saves_first_order_gradient(name: str) -> bool:
@@ -127,10 +129,10 @@ def _may_have_gain(name: str) -> bool:
     return name in BATCH_NORM_NODES or name == "MulBackward0" or _saves_first_order_gradient(name)
 
 
-def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, float]) -> dict[int, float]:
+def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Node -> how much the gradient it receives can grow before the next decision point, branch or
     leaf sees it: the product of the batch-norm ``gains`` on the way (the node's own included), the
-    largest over the paths. Nodes where that is 1 are left out."""
+    largest over the paths; 0-dim tensors on the gains' device, unread. Nodes no gain reaches are left out."""
     if not gains:
         return {}
 
@@ -140,9 +142,12 @@ def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[in
     order = analysis.derive(  # a decision bounds it again too, and a leaf takes it
         "gains_after order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves | analysis.layer_names.keys()))
     )
-    grown: dict[int, float] = {}
+    grown: dict[int, torch.Tensor] = {}
     for node in order:
-        gain = gains.get(node, 1.0) * max((grown.get(t, 1.0) for t in targets[node]), default=1.0)
-        if gain > 1.0:
-            grown[node] = gain
+        downstream = [grown[t] for t in targets[node] if t in grown]  # each at least 1
+        own = gains.get(node)
+        if own is None and not downstream:
+            continue
+        largest = functools.reduce(torch.maximum, downstream) if downstream else None
+        grown[node] = largest if own is None else own if largest is None else own * largest
     return grown

@@ -1,4 +1,4 @@
-"""The statistics an update's decisions read of a gradient, taken on its device and read in one synchronisation."""
+"""The statistics an update's decisions take of a gradient, on its device; what the step reads of them, in one synchronisation."""
 
 from __future__ import annotations
 
@@ -7,27 +7,6 @@ import math
 import torch
 
 from gs_lightning.scaling.probes import detached
-from gs_lightning.scaling.underflow import ExactSample
-
-
-def stats(*values: torch.Tensor) -> list[float]:
-    """Statistics to the host in one synchronisation."""
-    return torch.stack([v.float() for v in values]).tolist()
-
-
-OrderStatistics = tuple[float, list[float]]  # an ExactSample's nonzero count and smallest values, read
-
-
-def stats_and_samples(values: list[torch.Tensor], samples: list[ExactSample], target: float) -> tuple[list[float], list[OrderStatistics]]:
-    """:func:`stats` of ``values``, and what :meth:`ExactSample.min_log2_scale` reads of each sample, in one synchronisation."""
-    smallest = [v.smallest(target) for v in samples]
-    scalars = torch.stack([v.float() for v in (*values, *(v.nonzero_count for v in samples))])
-    read = torch.cat([scalars, *smallest]).tolist() if smallest else scalars.tolist()
-    counts, position, orders = read[len(values) : len(values) + len(samples)], len(values) + len(samples), []
-    for count, tail in zip(counts, smallest):
-        orders.append((count, read[position : position + tail.numel()]))
-        position += tail.numel()
-    return read[: len(values)], orders
 
 
 def rms(t: torch.Tensor) -> torch.Tensor:
@@ -51,15 +30,15 @@ def extremes(t: torch.Tensor) -> Extremes:
     return low, high
 
 
-def magnitude(low: float, high: float) -> float:
-    """The largest magnitude, from :func:`extremes` read to the host (NaN if either is)."""
-    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+def magnitude(pair: Extremes) -> torch.Tensor:
+    """The largest magnitude from :func:`extremes`, float64 on their device, unread (NaN if either is)."""
+    low, high = pair
+    return torch.maximum(-low, high).double()
 
 
-def magnitudes(pairs: list[Extremes]) -> list[float]:
-    """:func:`magnitude` of each pair of :func:`extremes`, in one synchronisation."""
-    values = stats(*(v for pair in pairs for v in pair)) if pairs else []
-    return [magnitude(values[2 * k], values[2 * k + 1]) for k in range(len(pairs))]
+def all_finite(values: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every one of the 0-dim ``values`` is finite, a 0-dim bool tensor on their device, unread."""
+    return torch.isfinite(torch.stack(values)).all()
 
 
 def memory_order(t: torch.Tensor) -> torch.Tensor:

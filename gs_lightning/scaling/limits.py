@@ -9,6 +9,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
+import torch
+
 from gs_lightning.scaling.graph import BIAS_GRADIENT, WEIGHT_GRADIENT
 
 _RECENT = "parameter gradients of recent batches"
@@ -86,3 +88,15 @@ def parse(text: str) -> tuple[Limit, int | None]:
         if tail.isdigit() and describe(limit) == head:
             return limit, int(tail)
     raise ValueError(f"unknown scale limit {text!r}; expected one of {[describe(limit) for limit in Limit]}")
+
+
+class UnreadBound(NamedTuple):
+    """Which of ``candidates`` held a scale down, as chosen on the device (:meth:`ScaleBounds.choose
+    <gs_lightning.scaling.bounds.ScaleBounds.choose>`): ``index``, a 0-dim integer tensor, unread."""
+
+    candidates: tuple[Bound, ...]
+    index: torch.Tensor
+
+    def read(self, index: float) -> Bound:
+        """The bound, ``index`` as read."""
+        return self.candidates[int(index)]

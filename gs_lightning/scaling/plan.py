@@ -54,6 +54,11 @@ class LeafTargets:
         return next((alpha for j, alpha in self.shared if j == leaf), None)
 
 
+def exponent_vector(exponents: list[Exponent], device: torch.device) -> torch.Tensor:
+    """``exponents`` as one float64 vector on ``device``; a Python int is filled in there, not copied from the host."""
+    return torch.stack([e.to(device, torch.float64) if isinstance(e, torch.Tensor) else torch.full((), e, dtype=torch.float64, device=device) for e in exponents])
+
+
 def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_alpha: dict[Slot, Exponent], leaves: LeafTargets) -> Exponent:
     """log2 of the factor a gradient sent with scale ``2^alpha`` gets on ``edge``.
 

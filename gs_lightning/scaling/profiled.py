@@ -3,7 +3,7 @@
 ``torch.profiler.profile``, Lightning's ``Trainer(profiler="pytorch")`` and ``emit_nvtx`` (Nsight) show
 them beside the kernels: ``GradientScaler.prepare`` (the walk of the graph and its hooks, as a backward
 starts), ``GradientScaler.decide:<layer>`` (one decision of an update iteration: its statistics,
-probes and the read that synchronises), ``GradientScaler.unscale`` (the fused unscale after the
+probes and scale, on the device), ``GradientScaler.unscale`` (the fused unscale after the
 backward), ``GradientScaler.step_read`` (the step's one read) and ``GradientScaler.recompute``.
 """
 

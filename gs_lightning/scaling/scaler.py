@@ -8,8 +8,9 @@ How it runs, in brief:
 * On an **update** iteration (a structure's first, after a skipped step, when the gradients drifted a binade below the last update's or a weight gradient rose
   above what the last update expected of it by more than its layer's margin, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
-  (:mod:`~gs_lightning.scaling.update`); each decision reads a few statistics of the gradient
-  at hand, one host-device synchronisation each (see :meth:`GradientScaler.backward`).
+  (:mod:`~gs_lightning.scaling.update`); each decision turns a few statistics of the gradient at
+  hand into its scale on the device, unread, and the run reads them all in one host-device
+  synchronisation once the backward is done (see :meth:`GradientScaler.backward`).
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
   synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
@@ -230,12 +231,11 @@ class GradientScaler:
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``.
 
-        Between updates the backward does not synchronise with the device. On an update iteration it
-        synchronises once per decision point (GEMM, cast, fused kernel, opaque region), each reading its
-        statistics (:attr:`update_iterations` counts those iterations), and once more at each GEMM whose
-        weight-gradient bound alone keeps it from the target rate (that weight gradient is then measured).
-        The batch norms' gains, and the common scale where gradients at different scales merge, are taken on
-        the device and read with the next decision's statistics.
+        Between updates the backward does not synchronise with the device. On an update iteration
+        (:attr:`update_iterations` counts those) every decision point (GEMM, cast, fused kernel, opaque region)
+        takes its statistics and its scale on the device, and nothing is read while autograd runs; once the
+        backward is done, the scales of the plan to replay and what each layer chose are read together: one
+        synchronisation.
         """
         try:
             self.scale(loss).backward(retain_graph=retain_graph)

@@ -23,12 +23,12 @@ gs_lightning.analysis.underflow_mc``, γ' = 1e-3, measured underflow at the chos
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from statistics import NormalDist
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 _STANDARD_NORMAL = NormalDist()
 _SQRT2 = math.sqrt(2.0)
@@ -69,21 +69,21 @@ def gemm_underflow_rate(
 
 
 def gemm_min_log2_scale(
-    sigma: float, lambda_min: float, target: float, accumulation_length: float = math.inf
-) -> float:
+    sigma: float | torch.Tensor, lambda_min: float, target: float, accumulation_length: float = math.inf
+) -> torch.Tensor:
     """:func:`gemm_underflow_rate` solved for α: the real log2 of the smallest scale with γ(α) ≤ target.
 
-    Returns ``-inf`` when the output is all zeros (no scale can help, none is needed) or already
-    non-finite (the step will be skipped whatever the scale).
+    On the device of ``sigma`` (a float: the CPU), unread. ``-inf`` when the output is all zeros (no
+    scale can help, none is needed) or already non-finite (the step will be skipped whatever the scale).
     """
-    if not 0.0 < sigma < math.inf:
-        return -math.inf
+    sigma = as_float64(sigma)
     _check_target(target)
     n = _checked_length(accumulation_length)
     if n >= GAUSSIAN_ACCUMULATION_LENGTH:
-        return math.log2(lambda_min / (_SQRT2 * sigma * erfinv(target)))
-    # γ(α) = F_N(λmin √N / (α σ)) ≤ target  ⟺  α ≥ λmin √N / (σ F_N⁻¹(target))
-    return math.log2(lambda_min * math.sqrt(n) / (sigma * product_sum_quantile(target, n)))
+        smallest = divide(lambda_min, _SQRT2 * sigma * erfinv(target))
+    else:  # γ(α) = F_N(λmin √N / (α σ)) ≤ target  ⟺  α ≥ λmin √N / (σ F_N⁻¹(target))
+        smallest = divide(lambda_min * math.sqrt(n), sigma * product_sum_quantile(target, n))
+    return torch.where((sigma > 0.0) & (sigma < math.inf), torch.log2(smallest), -math.inf)
 
 
 def product_sum_cdf(x: float, accumulation_length: float) -> float:
@@ -162,8 +162,8 @@ def _checked_length(accumulation_length: float) -> float:
     return float(accumulation_length)
 
 
-def cast_min_log2_scale(log_mean: float, log_std: float, lambda_min: float, target: float) -> float:
-    """Theorem 2 solved for α: ln α ≥ ln λmin − μ − √2 σ erfinv(2γ' − 1), returned as log2 α."""
+def cast_min_log2_scale(log_mean: float | torch.Tensor, log_std: float | torch.Tensor, lambda_min: float, target: float) -> float | torch.Tensor:
+    """Theorem 2 solved for α: ln α ≥ ln λmin − μ − √2 σ erfinv(2γ' − 1), returned as log2 α (a tensor, unread, for tensors)."""
     ln_alpha = math.log(lambda_min) - log_mean - _SQRT2 * log_std * erfinv(2.0 * target - 1.0)
     return ln_alpha / math.log(2.0)
 
@@ -176,26 +176,48 @@ def cast_underflow_rate(log2_scale: float, log_mean: float, log_std: float, lamb
     return 0.5 * (1.0 + math.erf(distance / (_SQRT2 * log_std)))
 
 
-def overflow_max_log2_scale(largest_output: float, lambda_max: float) -> float:
-    """Real log2 of the bound on α from α · largest_output < λmax (``inf`` when unconstrained)."""
-    if not largest_output > 0.0 or not math.isfinite(largest_output):
-        return math.inf
-    return math.log2(lambda_max / largest_output)
+def overflow_max_log2_scale(largest_output: float | torch.Tensor, lambda_max: float) -> torch.Tensor:
+    """Real log2 of the bound on α from α · largest_output < λmax (``inf`` when unconstrained), on the device of
+    ``largest_output`` (a float: the CPU), unread."""
+    largest = as_float64(largest_output)
+    return torch.where((largest > 0.0) & (largest < math.inf), torch.log2(divide(lambda_max, largest)), math.inf)
 
 
-def choose_log2_scale(lower: float, upper: float, ceiling: int | None = None) -> int:
-    """Pick the exponent of a power-of-two scale (paper §4.2).
+def choose_log2_scale(
+    lower: float | torch.Tensor, upper: float | torch.Tensor, ceiling: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pick the exponent of a power-of-two scale (paper §4.2), on the device of ``lower``, unread.
 
     The smallest power of two meeting the underflow bound ``lower`` (rounded **up**), but not
-    below 2^0; less than 2^0 only when the strict overflow bound ``upper`` allows no scale ≥ 1
-    (rounded **down**, so that α < 2^upper holds strictly). ``ceiling`` caps the result.
+    below 2^0; less than 2^0 only when the strict overflow bound ``upper`` (``inf`` where nothing
+    bounds it, never NaN) allows no scale ≥ 1 (rounded **down**, so that α < 2^upper holds strictly).
+    ``ceiling`` caps the result. Floats are taken as float64 values on the CPU; the result is a 0-dim
+    float64 tensor.
     """
-    exponent = max(math.ceil(lower), 0) if math.isfinite(lower) else 0
-    if math.isfinite(upper):
-        exponent = min(exponent, math.ceil(upper) - 1)
-    if ceiling is not None:
-        exponent = min(exponent, ceiling)
-    return exponent
+    lower = as_float64(lower)
+    exponent = torch.where(finite(lower), torch.ceil(lower).clamp_min(0.0), 0.0)
+    exponent = torch.minimum(exponent, torch.ceil(as_float64(upper, lower.device)) - 1.0)
+    if ceiling is None:
+        return exponent
+    return exponent.clamp(max=ceiling) if not isinstance(ceiling, torch.Tensor) else torch.minimum(exponent, ceiling)
+
+
+def as_float64(value: float | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``value`` as a 0-dim float64 tensor on ``device`` (a tensor's own by default; the CPU for a Python number):
+    a number is filled in there, not copied from the host."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device or value.device, torch.float64)
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def finite(values: torch.Tensor) -> torch.Tensor:
+    """Where ``values`` are finite: two kernels (``torch.isfinite`` of a float tensor runs four)."""
+    return values.abs() < math.inf
+
+
+def divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` rounded once, as in Python floats (``float / tensor`` multiplies by a reciprocal)."""
+    return torch.full_like(denominator, numerator).div_(denominator)
 
 
 def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, lambda_max: float) -> torch.Tensor:
@@ -220,7 +242,7 @@ SAMPLE_LIMIT = 2**20
 CONFIDENCE_RISK = 0.1
 
 
-def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float) -> float:
+def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float) -> torch.Tensor:
     """The real log2 of the smallest scale with at most ``target`` of the nonzero ``|values|`` below ``lambda_min``.
 
     Model-free (no distribution assumed): read off an order statistic of the magnitudes, which
@@ -235,7 +257,7 @@ def sample_min_log2_scale(values: torch.Tensor, lambda_min: float, target: float
       linearly, x₍₁₎ · target / u with u = 1 − 0.1^(1/n) the 90% upper bound on F(x₍₁₎): exact for
       densities flat near zero (Gaussian, Laplace, long sums), conservative for log-normal ones.
 
-    One host synchronisation. Returns ``-inf`` if all values are zero (no scale is needed).
+    A 0-dim float64 tensor on the values' device, unread; ``-inf`` if all values are zero (no scale is needed).
     """
     return ExactSample(values).min_log2_scale(lambda_min, target)
 
@@ -245,16 +267,14 @@ def sample_underflow_rate(values: torch.Tensor, log2_scale: int, lambda_min: flo
 
     The measured counterpart of :func:`gemm_underflow_rate`; 0 if all are zero. One host sync.
     """
-    return ExactSample(values).underflow_rate(log2_scale, lambda_min)
+    return counted_rate(*torch.stack(ExactSample(values).underflow_count(log2_scale, lambda_min)).tolist())
 
 
 class ExactSample:
-    """Exact values of a gradient, prepared once for :meth:`min_log2_scale` and :meth:`underflow_rate`.
+    """Exact values of a gradient, prepared once for :meth:`min_log2_scale` and :meth:`underflow_count`.
 
     An update asks both of every probe (the scale, then the rate measured at the scale chosen):
-    the magnitudes and their nonzero count are taken once, and the rate needs no second count.
-    What :meth:`min_log2_scale` reads (:attr:`nonzero_count` and :meth:`smallest`) can be read
-    with a decision's other statistics, in one synchronisation.
+    the magnitudes and their nonzero count are taken once, on the values' device; nothing is read.
 
     Attributes:
         nonzero_count: How many values are nonzero (and not NaN), a 0-dim int64 tensor.
@@ -265,52 +285,32 @@ class ExactSample:
         nonzero = magnitudes > 0
         self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
         self.nonzero_count = nonzero.sum()  # int64: a float32 sum of booleans measured 2.5x slower
-        self._count: int | None = None  # the nonzero count, once read
-        self._smallest: list[float] = []  # the smallest magnitudes, ascending, once read
 
     def smallest(self, target: float) -> torch.Tensor:
-        """The smallest magnitudes, as many as any rank :meth:`min_log2_scale` may pick for ``target``."""
+        """The smallest magnitudes, ascending, as many as any rank :meth:`min_log2_scale` may pick for ``target``."""
         _check_target(target)
         positive = self._positive
-        # Any admissible rank is at most n·target ≤ numel·target: fetch only that many smallest values.
+        # Any admissible rank is at most n·target ≤ numel·target: take only that many smallest values.
         return positive.topk(min(positive.numel(), math.floor(target * positive.numel()) + 1), largest=False).values
 
-    def min_log2_scale(self, lambda_min: float, target: float, read: tuple[float, list[float]] | None = None) -> float:
-        """:func:`sample_min_log2_scale` of these values.
+    def min_log2_scale(self, lambda_min: float, target: float) -> torch.Tensor:
+        """:func:`sample_min_log2_scale` of these values: the order statistic picked on the device."""
+        smallest = self.smallest(target).double()
+        if not smallest.numel():
+            return torch.full((), -math.inf, dtype=torch.float64, device=smallest.device)
+        n = self.nonzero_count
+        rank = torch.searchsorted(rank_breakpoints(smallest.numel(), target, CONFIDENCE_RISK, n.device), n, right=True)
+        ranked = smallest.gather(0, (rank - 1).clamp_min(0).view(1)).view(())  # indexing by a 0-dim tensor would read it
+        below_minimum = smallest[0] * target / -torch.expm1(math.log(CONFIDENCE_RISK) / n.double())
+        # no nonzero value: the minimum is inf, and so -inf is returned
+        return torch.log2(divide(lambda_min, torch.where(rank >= 1, ranked, below_minimum)))
 
-        ``read``: :attr:`nonzero_count` and :meth:`smallest` (``target``) as read by the caller;
-        read here if not given.
-        """
-        if read is None:
-            count, *smallest_values = torch.cat([self.nonzero_count.reshape(1).float(), self.smallest(target)]).tolist()
-        else:
-            _check_target(target)
-            count, smallest_values = read
-        n = self._count = int(count)
-        self._smallest = smallest_values
-        if n == 0:
-            return -math.inf
-        rank = min(confident_rank(n, target, CONFIDENCE_RISK), len(smallest_values))
-        if rank >= 1:
-            threshold = smallest_values[rank - 1]
-        else:
-            threshold = smallest_values[0] * target / -math.expm1(math.log(CONFIDENCE_RISK) / n)
-        return math.log2(lambda_min / threshold)
-
-    def underflow_rate(self, log2_scale: int, lambda_min: float) -> float:
-        """:func:`sample_underflow_rate` of these values (reading what :meth:`underflow_count` counts on the device)."""
-        rate = self.underflow_count(log2_scale, lambda_min)
-        return rate if isinstance(rate, float) else counted_rate(*torch.stack(rate).tolist())
-
-    def underflow_count(self, log2_scale: int, lambda_min: float) -> float | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`underflow_rate`, counted on the host without a pass over the values where the smallest ones
-        read by :meth:`min_log2_scale` reach the threshold (a scale that meets γ' leaves fewer below it);
-        elsewhere the counts below it and nonzero, 0-dim tensors on the device, unread (:func:`counted_rate`)."""
-        # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first.
-        threshold = lambda_min * 2.0**-log2_scale
-        compared = _float32(threshold)  # as the kernel compares the fp32 values with it
-        if self._smallest and compared <= self._smallest[-1]:  # every value below it was read
-            return counted_rate(sum(value < compared for value in self._smallest), self._count or 0)
+    def underflow_count(self, log2_scale: int | torch.Tensor, lambda_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """How many of these values fall below ``lambda_min`` at the scale ``2**log2_scale``, and how many are
+        nonzero: 0-dim tensors on the device, unread (:func:`counted_rate` of them, as read, is the rate)."""
+        # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first. A 0-dim
+        # threshold is compared in the values' fp32, as a Python scalar would be.
+        threshold = lambda_min * (torch.exp2(-log2_scale) if isinstance(log2_scale, torch.Tensor) else 2.0**-log2_scale)
         return (self._positive < threshold).sum(), self.nonzero_count
 
 
@@ -319,38 +319,62 @@ def counted_rate(below: float, nonzero: float) -> float:
     return below / nonzero if nonzero else 0.0
 
 
-def _float32(value: float) -> float:
-    """``value`` rounded to fp32, as a comparison of an fp32 tensor with a Python scalar rounds the scalar."""
-    return ctypes.c_float(value).value
-
-
 @functools.lru_cache(maxsize=64)
 def _infinity(device: torch.device) -> torch.Tensor:
     """A 0-dim fp32 ``inf`` on ``device``, made once (as a Python scalar, ``where`` would make it every call)."""
     return torch.tensor(math.inf, device=device)
 
 
-@functools.lru_cache(maxsize=4096)
-def confident_rank(n: int, rate: float, risk: float) -> int:
-    """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none).
+@functools.lru_cache(maxsize=256)
+def rank_breakpoints(largest: int, rate: float, risk: float, device: torch.device) -> torch.Tensor:
+    """For k = 1..``largest``, the smallest count n whose :func:`confident_rank` reaches k, on ``device``
+    (int64, ascending): a count's rank is how many of them it reaches, one ``searchsorted`` on the device.
 
-    Then the k-th smallest of n samples lies below the distribution's ``rate`` quantile with
-    probability at least 1 − risk. Cached: a probe's sample size repeats at every update.
+    Found once per sample size (cached): by bisection on n, every k at once, over the binomial CDF
+    from ``lgamma``. Then the k-th smallest of n samples lies below the distribution's ``rate``
+    quantile with probability at least 1 − risk.
     """
-    log_odds = math.log(rate) - math.log1p(-rate)
-    log_pmf = n * math.log1p(-rate)  # P(Binomial = 0)
-    log_cdf = log_pmf
-    k = 0
-    while k < n and log_cdf <= math.log(risk):
-        log_pmf += math.log((n - k) / (k + 1)) + log_odds
-        log_cdf = _log_add(log_cdf, log_pmf)
-        k += 1
-    return k
+    with _disable_current_modes():  # host arithmetic: not what a dispatch mode (the fp16 emulation) models
+        return _breakpoints(largest, rate, risk).to(device)
 
 
-def _log_add(a: float, b: float) -> float:
-    high, low = max(a, b), min(a, b)
-    return high + math.log1p(math.exp(low - high))
+def _breakpoints(largest: int, rate: float, risk: float) -> torch.Tensor:
+    k = torch.arange(1, largest + 1, dtype=torch.float64)
+    low = k - 1.0  # P(Binomial(n, rate) ≤ k − 1) = 1 > risk for n ≤ k − 1
+    high = torch.ceil((k + 10.0 * k.sqrt() + 30.0) / rate)  # far in the tail: the CDF is below any risk there
+    steps = math.ceil(math.log2((largest + 10.0 * math.sqrt(largest) + 30.0) / rate + 1.0))  # halvings to width 1, for every k
+    for start in range(0, largest, 1024):  # a bounded matrix of terms at a time
+        rows = slice(start, min(start + 1024, largest))
+        for _ in range(steps):
+            middle = torch.floor((low[rows] + high[rows]) / 2.0)
+            within = _log_binomial_cdf(middle, k[rows] - 1.0, rows.stop - 1, rate) <= math.log(risk)
+            high[rows], low[rows] = torch.where(within, middle, high[rows]), torch.where(within, low[rows], middle)
+    return high.to(torch.int64)
+
+
+def _log_binomial_cdf(n: torch.Tensor, at: torch.Tensor, most: int, rate: float) -> torch.Tensor:
+    """log P(Binomial(n, rate) ≤ at) where ``at`` is below the mode, elementwise over the float64 vectors ``n`` and
+    ``at`` (integers, ``most`` at most); 0 elsewhere, where the CDF is at least P(X ≤ ⌊n·rate⌋), well above any
+    risk used here.
+
+    Summed over the terms j ≤ at within 24·√at + 40 of it: below the mode the terms fall geometrically
+    below ``at`` (by about 1.28 / √at each near a 10% tail), and the rest is below 1e-13 of the sum.
+    """
+    window = 24 * math.isqrt(most + 1) + 40
+    j = at[:, None] - torch.arange(window, dtype=torch.float64)[None, :]
+    below_mode = at < torch.floor((n + 1.0) * rate)
+    n = n[:, None]
+    log_pmf = (
+        torch.lgamma(n + 1.0) - torch.lgamma(j.clamp_min(0.0) + 1.0) - torch.lgamma((n - j).clamp_min(0.0) + 1.0)
+        + j * math.log(rate) + (n - j) * math.log1p(-rate)
+    )
+    return torch.where(below_mode, torch.logsumexp(torch.where(j >= 0.0, log_pmf, -math.inf), dim=1), 0.0)
+
+
+def confident_rank(n: int, rate: float, risk: float) -> int:
+    """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none), as :func:`rank_breakpoints` give it."""
+    breakpoints = rank_breakpoints(math.floor(rate * n) + 1, rate, risk, torch.device("cpu"))
+    return int(torch.searchsorted(breakpoints, torch.tensor(n), right=True))
 
 
 def _sample(values: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 The run walks the scales through the graph (merging the scales that meet at a node or a branch, passing
 them on through the nodes that decide nothing); the decision core (:mod:`~gs_lightning.scaling.decide`)
-chooses each decision point's scale, reading a few statistics of the gradient at hand (the update
-iteration's only host-device synchronisations). A merge's scale stays on the device until the next
-decision reads it with its own statistics. What the run decides becomes a
+chooses each decision point's scale from a few statistics of the gradient at hand, on the device: every
+scale stays there, unread, and multiplies the gradients as a 0-dim tensor. Once the backward is done the
+run reads them all in one synchronisation (:meth:`UpdateRun.complete`); what it decided becomes a
 :class:`~gs_lightning.scaling.plan.ScalePlan` that the iterations in between replay as constant factors.
 """
 
@@ -94,19 +94,19 @@ class UpdateRun:
 
     def complete(self) -> None:
         """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`,
-        every one a Python int (those no decision read, in one synchronisation)."""
+        every one a Python int, and every decision a :class:`LayerScale`: read in one synchronisation."""
         if not self._every_node_tracked:
             for i in self._pass_through:
                 alpha = self._node_scale(i)
                 for edge in self.graph.edges[i]:
                     if edge is not None and edge[0] not in self.analysis.leaves:
                         self.slot_alpha[edge] = alpha
-        known = self.decisions.read_exponents
         values = [*self.alpha_out.values(), *self.slot_alpha.values()]
-        unread = list({id(v): v for v in values if isinstance(v, torch.Tensor) and v not in known}.values())
-        known.update(zip(unread, (int(v) for v in read(unread))))
-        self.alpha_out = {i: known[a] if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
-        self.slot_alpha = {slot: known[a] if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
+        unread = list({id(v): v for v in (*values, *self.decisions.unread()) if isinstance(v, torch.Tensor)}.values())
+        known = dict(zip(unread, read(unread)))
+        self.decisions.read_in(known)
+        self.alpha_out = {i: int(known[a]) if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
+        self.slot_alpha = {slot: int(known[a]) if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
 
     def _needs_post_hook(self, i: int) -> bool:
         """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
@@ -160,16 +160,14 @@ class UpdateRun:
             self.decisions.finite_flags.append((a.layer_names[i], grad_extremes))
             beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
-        if isinstance(alpha, torch.Tensor):  # as the decision read it
-            alpha = self.decisions.read_exponents.get(alpha, alpha)
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
-    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
+    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
         with profiled("GradientScaler.decide", self.analysis.layer_names[i]):
             return self._decision(i, grad, grad_extremes, grads, alpha)
 
-    def _decision(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> int:
+    def _decision(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
         if i in self.analysis.opaque:
             return self.decisions.opaque_probe(i, grad_extremes, alpha)
         try:

@@ -44,7 +44,7 @@ def test_product_sum_tends_to_theorem1_for_long_sums() -> None:
     sigma = 3e-6
     paper = underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET)
     assert underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4096) == paper
-    assert underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4095) == pytest.approx(paper, abs=1e-3)
+    assert float(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4095)) == pytest.approx(float(paper), abs=1e-3)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 256])
@@ -150,19 +150,22 @@ def test_sample_underflow_rate_counts_nonzero_values_below_lambda() -> None:
     assert underflow.sample_underflow_rate(torch.zeros(3), 5, LAMBDA) == 0.0
 
 
-def test_rate_after_the_scale_counts_as_every_value_does() -> None:
-    """After :meth:`ExactSample.min_log2_scale`, the rate at a scale is counted among the smallest values it read
-    where they reach the threshold: the same counts as a pass over all values, zeros, ties and NaN included."""
+def test_rate_at_a_scale_counts_as_every_value_does() -> None:
+    """:meth:`ExactSample.underflow_count` at scales around the one chosen: the same rate as a pass over all
+    values, zeros, ties and NaN included."""
     generator = torch.Generator().manual_seed(5)
     values = torch.randn(5000, generator=generator) * 2.0**-20
     values[torch.rand(5000, generator=generator) < 0.2] = 0.0
     values[:1000] = values[:1000].mul(2.0**30).round().mul(2.0**-30)  # ties
     values[7] = math.nan
+    positive = values.abs()[values.abs() > 0]
     for target in (1e-3, 1e-2):
         sample = underflow.ExactSample(values)
         chosen = math.ceil(sample.min_log2_scale(LAMBDA, target))
-        for log2_scale in range(chosen - 4, chosen + 4):  # below the scale chosen, more than the values read lie below λmin
-            assert sample.underflow_rate(log2_scale, LAMBDA) == underflow.sample_underflow_rate(values, log2_scale, LAMBDA)
+        for log2_scale in range(chosen - 4, chosen + 4):
+            expected = float((positive * 2.0**log2_scale < LAMBDA).sum()) / positive.numel()
+            assert underflow.counted_rate(*(float(c) for c in sample.underflow_count(torch.tensor(float(log2_scale)), LAMBDA))) == expected
+            assert underflow.sample_underflow_rate(values, log2_scale, LAMBDA) == expected
 
 
 def test_sample_min_log2_scale_on_known_values() -> None:
@@ -173,7 +176,7 @@ def test_sample_min_log2_scale_on_known_values() -> None:
     rank = underflow.confident_rank(n, TARGET, underflow.CONFIDENCE_RISK)
     assert stats.binom.cdf(rank - 1, n, TARGET) <= underflow.CONFIDENCE_RISK < stats.binom.cdf(rank, n, TARGET)
     lower = underflow.sample_min_log2_scale(values, LAMBDA, TARGET)
-    assert lower == pytest.approx(math.log2(LAMBDA / (rank * 2.0**-40)))
+    assert float(lower) == pytest.approx(math.log2(LAMBDA / (rank * 2.0**-40)))
     assert underflow.sample_underflow_rate(values, math.ceil(lower), LAMBDA) <= TARGET
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling.gains import gains_above_one, node_gains
+from gs_lightning.scaling.gains import bounded_gains, node_gains
 from gs_lightning.scaling.graph import analyze, walk
 
 TARGET = 1e-3
@@ -120,10 +120,11 @@ def test_gemm_scale_meets_target_in_fp16() -> None:
 
 def test_a_product_by_a_constant_counts_as_a_gain() -> None:
     """The scaler's own factors, recorded by ``create_graph=True``, multiply a second backward's gradient
-    (a gradient penalty): an update counts a product by a constant scalar as a gain, as it does a batch norm's."""
+    (a gradient penalty): an update counts a product by a constant scalar as a gain, as it does a batch norm's;
+    one below 1 counts as 1."""
     x = torch.randn(4, 8, requires_grad=True)
     graph = walk(((x * 64.0).tanh() * 0.5).sum().grad_fn)
     found = node_gains(graph, analyze(graph, {}))
-    gains = {graph.names[j]: gain for j, gain in gains_above_one([j for j, _ in found], [float(g) for _, g in found]).items()}
-    assert gains == {"MulBackward0": 64.0}
+    gains = sorted((graph.names[j], float(gain)) for j, gain in bounded_gains(found).items())
+    assert gains == [("MulBackward0", 1.0), ("MulBackward0", 64.0)]  # the product by 0.5 grows nothing
 

@@ -46,8 +46,9 @@ def _record(model: nn.Module, x: torch.Tensor, backward, numel: int) -> _Allocat
 
 def test_update_iteration_copies_no_weight() -> None:
     """The probes of a Linear read its (transposed) weight in place: the only weight-sized tensors an
-    update iteration allocates are the weight gradients plain backward allocates too (a copy of each
-    weight for every probe once made a VGG-11 update 9.5x a plain backward)."""
+    update iteration allocates are the weight gradients plain backward allocates too, and the exact fp32
+    weight gradient each GEMM's measured overflow bound takes (a copy of each weight for every probe once
+    made a VGG-11 update 9.5x a plain backward)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
     x = torch.randn(2, 256)
@@ -56,7 +57,7 @@ def test_update_iteration_copies_no_weight() -> None:
     plain = _record(model, x, lambda loss: loss.backward(), 256 * 512)
     update = _record(model, x, scaler.backward, 256 * 512)
     assert len(scaler.layers()) == 2
-    assert sorted(update.large) == sorted(plain.large), (update.large, plain.large)
+    assert sorted(update.large) == sorted(plain.large + ["aten.bmm.default"] * 2), (update.large, plain.large)
 
 
 def test_update_iteration_work_per_decision_is_bounded() -> None:
@@ -72,8 +73,9 @@ def test_update_iteration_work_per_decision_is_bounded() -> None:
     # 2026-12-01: 44 per decision here since each GEMM also probes its weight gradient (issue 14's fourth
     # round: 12 ops each); 30 before, 38 before the second round of cuts of issue 19, item 5, 77 before the first.
     # 48 since the weight-gradient bound's channel norms reduce positions, then samples (2 more ops each,
-    # 3-9x faster at batch 8-64; graph._channel_norm_max).
-    assert (update.ops - plain.ops) / decisions <= 50, (update.ops, plain.ops, decisions)
+    # 3-9x faster at batch 8-64; graph._channel_norm_max). 2026-12-04: 190 since the decisions run on the
+    # device, unread (issue 33): the rules' arithmetic on 0-dim tensors, the factors applied as tensors.
+    assert (update.ops - plain.ops) / decisions <= 200, (update.ops, plain.ops, decisions)
 
 
 def test_update_iteration_hooks_no_pass_through_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,11 +99,9 @@ def test_update_iteration_hooks_no_pass_through_node(monkeypatch: pytest.MonkeyP
     assert sorted(hooked) == ["AddmmBackward0", "ConvolutionBackward0", "ConvolutionBackward0"]
 
 
-def test_update_iteration_synchronises_once_per_decision(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Host reads (``tolist``, ``item``) of an update iteration: one per decision, a GEMM's statistics and its
-    probe's order statistics together; the rate measured at the scale chosen is counted among the smallest
-    values read (counted on the device, read by the step, where the scale leaves more of them below λmin); the
-    batch norms' gains are read with the first decision's statistics."""
+def test_update_iteration_synchronises_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host reads (``tolist``, ``item``) of an update iteration: one, after the backward, of every decision taken
+    on the device (8 per decision before issue 19, item 5; one per decision before issue 33)."""
     torch.manual_seed(0)
     model, x = _conv_net(), torch.randn(2, 3, 8, 8)
     scaler = GradientScaler(model, update_interval=1)
@@ -113,11 +113,8 @@ def test_update_iteration_synchronises_once_per_decision(monkeypatch: pytest.Mon
     model.zero_grad(set_to_none=True)
     scaler.backward(model(x).square().mean())
     monkeypatch.undo()
-    decisions = len(scaler.layers())
-    assert decisions == 3
-    # 8 before issue 19, item 5 (a probe's order statistics and its rate were reads of their own); 4 while the
-    # batch norms' gains were a read of their own, as the update started.
-    assert len(reads) == decisions, reads
+    assert len(scaler.layers()) == 3
+    assert reads == ["tolist"]
 
 
 def test_update_iterations_traverse_a_known_structure_once(monkeypatch) -> None:

@@ -21,7 +21,7 @@ from gs_lightning.scaling.limits import Bound, Limit, UnreadBound
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.underflow import as_float64, choose_log2_scale, finite, overflow_max_log2_scale
+from gs_lightning.scaling.underflow import as_float64, below_bounds, finite, sufficient_log2_scale
 
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
@@ -72,7 +72,7 @@ class Settings:
 def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
     """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
     ``margin_log2`` binades (:attr:`ScalingRecipe.expected_maxima_margin_log2`) below ``lambda_max``."""
-    return math.ceil(overflow_max_log2_scale(expected * 2.0**margin_log2, lambda_max)) - 1
+    return math.ceil(math.log2(lambda_max / (expected * 2.0**margin_log2))) - 1  # host values, read by the step (expected > 0)
 
 
 def decision_nodes(analysis: GraphAnalysis) -> set[int]:
@@ -204,7 +204,8 @@ class ScaleBounds:
         values = limits - _per_bound(tuple(b.limit.exact for b in bounds), recipe.replay_headroom_log2, device)
         upper = values.amin() if bounds else as_float64(math.inf, device)
         ceiling, cap = self._ceiling(i, alpha)
-        beta = choose_log2_scale(lower, upper, ceiling)
+        sufficient = sufficient_log2_scale(lower)
+        beta = below_bounds(sufficient, upper, ceiling)  # choose_log2_scale, its first half kept for the spike room
         candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
         reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
@@ -213,7 +214,7 @@ class ScaleBounds:
         if recipe.spike_room_log2 > 0.0 and any(bound.limit.expected for bound in bounds) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
             roomy = (values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)).amin()
-            with_room = torch.maximum(choose_log2_scale(lower, roomy, ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
+            with_room = torch.maximum(below_bounds(sufficient, roomy, ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
             roomier = finite(lower) & (with_room < beta)
             beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, 1, reason)
         return beta, UnreadBound(candidates, reason)

@@ -263,12 +263,13 @@ class NodeDecisions:
             **{Bound(Limit(tensor)): bound for tensor, bound in weight_stats.items()},
             **self.bounds.expected_maxima(i, alpha, device),
         }
-        bounds, limits = list(maxima), overflow_max_log2_scale(torch.stack(list(maxima.values())), s.lambda_max)
-        if Bound(Limit.WEIGHT_GRADIENT) in maxima:  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one
-            w = bounds.index(Bound(Limit.WEIGHT_GRADIENT))
+        bounds, weight = list(maxima), Bound(Limit.WEIGHT_GRADIENT)
+        measured = self._measured_weight_maximum(i, grad) if weight in maxima else None
+        limits = overflow_max_log2_scale(torch.stack([*maxima.values(), *([] if measured is None else [measured])]), s.lambda_max)
+        if weight in maxima:  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
+            relaxed, limits, w = limits[-1], limits[: len(bounds)].clone(), bounds.index(weight)
             binds = (limits[w] < lower.clamp_min(0.0)) & (limits.amin() == limits[w])
-            limits = limits.clone()
-            limits[w] = torch.where(binds, torch.maximum(limits[w], self._measured_weight_limit(i, grad)), limits[w])
+            limits[w] = torch.where(binds, math.inf if measured is None else torch.maximum(limits[w], relaxed), limits[w])
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
         beta = torch.where(decided, beta, 0.0)
         modelled = [(partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,)) for sigma, n in zip(sigmas, lengths)]
@@ -288,15 +289,15 @@ class NodeDecisions:
         node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad, recipe.weight_probe_elements, recipe.weight_probe_macs)
         return [values for k in self.analysis.weight_edges[i] if (values := probe(node, grad, k, None, elements)) is not None]
 
-    def _measured_weight_limit(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """The overflow bound from the weight gradient itself, computed in fp32, with :attr:`ScalingRecipe.weight_grad_margin_log2`
-        to spare: one more GEMM per layer with a weight gradient, on update iterations. ``inf`` without exact probes
+    def _measured_weight_maximum(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The largest value of GEMM ``i``'s weight gradients, computed in fp32, times :attr:`ScalingRecipe.weight_grad_margin_log2`
+        to spare: one more GEMM per layer with a weight gradient, on update iterations. ``None`` without exact probes
         (the Cauchy–Schwarz bound then binds nowhere it would keep the scale from γ')."""
         exact = self._weight_samples(i, grad, elements=sys.maxsize) if self.settings.recipe.exact_probes else []
         if not exact:
-            return as_float64(math.inf, grad.device)
+            return None
         most = torch.stack([magnitude(extremes(values)) for values in exact]).amax()
-        return overflow_max_log2_scale(most * 2.0**self.settings.recipe.weight_grad_margin_log2, self.settings.lambda_max)
+        return most * 2.0**self.settings.recipe.weight_grad_margin_log2
 
     def cast_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         """An order statistic of the fp32 gradient itself (Theorem 2's log-normal model misjudges others);

@@ -194,9 +194,17 @@ def choose_log2_scale(
     ``ceiling`` caps the result. Floats are taken as float64 values on the CPU; the result is a 0-dim
     float64 tensor.
     """
-    lower = as_float64(lower)
-    exponent = torch.where(finite(lower), torch.ceil(lower).clamp_min(0.0), 0.0)
-    exponent = torch.minimum(exponent, torch.ceil(as_float64(upper, lower.device)) - 1.0)
+    return below_bounds(sufficient_log2_scale(as_float64(lower)), upper, ceiling)
+
+
+def sufficient_log2_scale(lower: torch.Tensor) -> torch.Tensor:
+    """The exponent :func:`choose_log2_scale` takes before any bound: ``lower`` rounded up, at least 0 (0 where not finite)."""
+    return torch.where(finite(lower), torch.ceil(lower).clamp_min(0.0), 0.0)
+
+
+def below_bounds(exponent: torch.Tensor, upper: float | torch.Tensor, ceiling: int | torch.Tensor | None = None) -> torch.Tensor:
+    """``exponent`` lowered below the strict overflow bound ``upper`` (rounded down) and to ``ceiling``."""
+    exponent = torch.minimum(exponent, torch.ceil(as_float64(upper, exponent.device)) - 1.0)
     if ceiling is None:
         return exponent
     return exponent.clamp(max=ceiling) if not isinstance(ceiling, torch.Tensor) else torch.minimum(exponent, ceiling)
@@ -300,10 +308,10 @@ class ExactSample:
             return torch.full((), -math.inf, dtype=torch.float64, device=smallest.device)
         n = self.nonzero_count
         rank = torch.searchsorted(rank_breakpoints(smallest.numel(), target, CONFIDENCE_RISK, n.device), n, right=True)
-        ranked = smallest.gather(0, (rank - 1).clamp_min(0).view(1)).view(())  # indexing by a 0-dim tensor would read it
-        below_minimum = smallest[0] * target / -torch.expm1(math.log(CONFIDENCE_RISK) / n.double())
-        # no nonzero value: the minimum is inf, and so -inf is returned
-        return torch.log2(divide(lambda_min, torch.where(rank >= 1, ranked, below_minimum)))
+        below_minimum = smallest[0] * target / -torch.expm1(divide(math.log(CONFIDENCE_RISK), n.double()))
+        # rank k > 0 picks the k-th smallest; gathered (indexing by a 0-dim tensor would read it)
+        threshold = torch.cat([below_minimum.view(1), smallest]).gather(0, rank.view(1)).view(())
+        return torch.log2(divide(lambda_min, threshold))  # no nonzero value: the minimum is inf, and -inf is returned
 
     def underflow_count(self, log2_scale: int | torch.Tensor, lambda_min: float) -> tuple[torch.Tensor, torch.Tensor]:
         """How many of these values fall below ``lambda_min`` at the scale ``2**log2_scale``, and how many are

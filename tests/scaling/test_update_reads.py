@@ -7,7 +7,9 @@ import contextlib
 import math
 from collections.abc import Iterator
 
+import pytest
 import torch
+import torchvision
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -129,3 +131,36 @@ def test_decisions_and_merges_read_nothing_the_run_reads_them_once() -> None:
         assert reads == ["tolist"]
         scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
         assert not scaler.found_inf
+
+
+def _encoder() -> tuple[nn.Module, torch.Tensor]:
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 10)), torch.randn(4, 6, 32)
+
+
+@pytest.mark.parametrize("build", [lambda: (torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)), _encoder], ids=["resnet18", "encoder"])
+def test_host_reads_per_iteration(build) -> None:
+    """Host reads, scalar reads by the dispatcher included, under fp16 autocast: an update's backward reads once, after
+    autograd has run (the plan's scales and the layers' decisions together; one per decision point before issue 33);
+    a replay's backward never; a step once. The second update also takes the two vectors the drift's expectation
+    computes on the host from the steps' reads (``GradientDrift.expect``: CPU tensors built from host values, on
+    any model's device)."""
+    torch.manual_seed(0)
+    model, x = build()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    backward_reads, step_reads = [], []
+    for _ in range(4):  # update, replay, update, replay
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        with counting_reads() as reads:
+            scaler.backward(loss)
+        backward_reads.append(len(reads))
+        with counting_reads() as reads:
+            scaler.step(optimizer)
+            scaler.update()
+        step_reads.append(len(reads))
+    assert scaler.update_iterations == 2 and not scaler.found_inf
+    assert backward_reads == [1, 0, 3, 0]
+    assert step_reads == [1, 1, 1, 1]

@@ -338,16 +338,17 @@ def rank_breakpoints(largest: int, rate: float, risk: float, device: torch.devic
     """For k = 1..``largest``, the smallest count n whose :func:`confident_rank` reaches k, on ``device``
     (int64, ascending): a count's rank is how many of them it reaches, one ``searchsorted`` on the device.
 
-    Found once per sample size (cached): by bisection on n, every k at once, over the binomial CDF
-    from ``lgamma``. Then the k-th smallest of n samples lies below the distribution's ``rate``
-    quantile with probability at least 1 − risk.
+    Found once per sample size (cached), where they are used (no copy from the host): by bisection on n,
+    every k at once, a fixed number of halvings (nothing read), over the binomial CDF from ``lgamma``.
+    Then the k-th smallest of n samples lies below the distribution's ``rate`` quantile with probability
+    at least 1 − risk.
     """
-    with _disable_current_modes():  # host arithmetic: not what a dispatch mode (the fp16 emulation) models
-        return _breakpoints(largest, rate, risk).to(device)
+    with _disable_current_modes():  # not what a dispatch mode (the fp16 emulation) models
+        return _breakpoints(largest, rate, risk, device)
 
 
-def _breakpoints(largest: int, rate: float, risk: float) -> torch.Tensor:
-    k = torch.arange(1, largest + 1, dtype=torch.float64)
+def _breakpoints(largest: int, rate: float, risk: float, device: torch.device) -> torch.Tensor:
+    k = torch.arange(1, largest + 1, dtype=torch.float64, device=device)
     low = k - 1.0  # P(Binomial(n, rate) ≤ k − 1) = 1 > risk for n ≤ k − 1
     high = torch.ceil((k + 10.0 * k.sqrt() + 30.0) / rate)  # far in the tail: the CDF is below any risk there
     steps = math.ceil(math.log2((largest + 10.0 * math.sqrt(largest) + 30.0) / rate + 1.0))  # halvings to width 1, for every k
@@ -369,7 +370,7 @@ def _log_binomial_cdf(n: torch.Tensor, at: torch.Tensor, most: int, rate: float)
     below ``at`` (by about 1.28 / √at each near a 10% tail), and the rest is below 1e-13 of the sum.
     """
     window = 24 * math.isqrt(most + 1) + 40
-    j = at[:, None] - torch.arange(window, dtype=torch.float64)[None, :]
+    j = at[:, None] - torch.arange(window, dtype=torch.float64, device=at.device)[None, :]
     below_mode = at < torch.floor((n + 1.0) * rate)
     n = n[:, None]
     log_pmf = (

@@ -57,10 +57,10 @@ class SkipBackoff:
             cap = largest - 1 if self.cap is None else min(self.cap, largest) - 1
             self.cap = max(cap, recipe.min_backoff_log2)
 
-    def updated(self, run: UpdateRun, scales: GraphScales) -> None:
-        """An update of ``scales``' structure finished (``backwards`` not yet counting it): relax what a full
-        interval without a skipped step allows (``update_interval=1`` included)."""
-        interval, backwards = self.recipe.update_interval, scales.backwards
+    def updated(self, run: UpdateRun, scales: GraphScales, backwards: int) -> None:
+        """An update of ``scales``' structure, its ``backwards``-th backward (not counting it), was read: relax what a
+        full interval without a skipped step allows (``update_interval=1`` included)."""
+        interval = self.recipe.update_interval
         scales.layer_backoff.relax(run.alpha_out, backwards, interval)
         if self.cap is not None and backwards % interval == 0 and backwards - scales.last_skip >= interval:
             largest = max(run.alpha_out.values(), default=0)

@@ -344,7 +344,8 @@ class ScaledBackwards:
             self.written[id(variable)] = variable
         if prepared.parent is not None:  # an inner graph: its outer backward goes on
             if run is not None:
-                scales.plans[prepared.path] = run.plan()
+                plan = scales.plans[prepared.path] = run.plan()
+                scales.keep_scales(run, plan)
                 if prepared.parent.run is not None:
                     prepared.parent.run.absorb(run)
             return
@@ -363,10 +364,9 @@ class ScaledBackwards:
 
     def _finish_update(self, run: UpdateRun, scales: GraphScales) -> None:
         self.update_iterations += 1
-        scales.plans[()] = run.plan()
-        scales.keep_update(run.layers, run.decisions.finite_flags, run.decisions.unread_rates)
+        plan = scales.plans[()] = run.plan()
+        scales.keep_update(run, plan, partial(self.backoff.updated, run, scales, scales.backwards))  # once its scales are read
         scales.force_update = False
-        self.backoff.updated(run, scales)
 
 
 def _fed_once(leaves: frozenset[int], analysis: GraphAnalysis) -> frozenset[int]:

@@ -168,6 +168,7 @@ class NodeDecisions:
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
         unread_rates: The layers' rates, filled in with the step's read (:meth:`UnreadRates.applied_to`):
             their rates in :attr:`layers` are NaN until then.
+        undecided: The positions in :attr:`layers` of decisions that found no finite statistics (once read in).
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
@@ -176,6 +177,7 @@ class NodeDecisions:
         self.finite_flags: FiniteFlags = []
         self.opaque_probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.unread_rates: list[UnreadRates] = []
+        self.undecided: set[int] = set()  # positions in layers, once read in
 
     def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
@@ -406,15 +408,13 @@ class NodeDecisions:
         return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()]
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
-        """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the rates of
-        layers that did not decide dropped (their rate stays NaN)."""
-        undecided = set()
+        """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the layers that
+        did not decide into :attr:`undecided` (their rates are not applied: they stay NaN)."""
         for k, layer in enumerate(self.layers):
             if isinstance(layer, UnreadLayer):
                 self.layers[k], decided = layer.read(values)
                 if not decided:
-                    undecided.add(k)
-        self.unread_rates = [rates for rates in self.unread_rates if rates.index not in undecided]
+                    self.undecided.add(k)
 
 
 def largest(values: list[torch.Tensor], device: torch.device, default: float = -math.inf) -> torch.Tensor:

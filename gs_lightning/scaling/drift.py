@@ -51,7 +51,7 @@ import torch
 
 from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import GraphAnalysis, Slot, weight_path
-from gs_lightning.scaling.plan import ScalePlan
+from gs_lightning.scaling.plan import Exponent, ScalePlan
 from gs_lightning.scaling.recipe import ScalingRecipe
 
 Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, node by node
@@ -139,8 +139,9 @@ class GradientDrift:
     _pending: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = field(default_factory=list, repr=False)
     _update: bool = field(default=False, repr=False)
 
-    def measure(self, alpha: int, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
-        """Queue one scale group's (already unscaled) gradients, whose largest magnitudes the step reads.
+    def measure(self, alpha: Exponent, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
+        """Queue one scale group's (already unscaled) gradients, whose largest magnitudes the step reads (an update's
+        scale ``alpha`` still on the device, read with them: :meth:`read_in`).
 
         A leaf queued again before a read (gradient accumulation: the later backwards add into the same
         ``.grad``) is read once, in its latest group.
@@ -151,6 +152,10 @@ class GradientDrift:
             self._pending = [(a, tuple(j for j, _ in pairs), [g for _, g in pairs]) for a, pairs in kept if pairs]
         self._pending.append((alpha, leaves, grads))
         self._update = self._update or update
+
+    def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
+        """The scales of queued groups an update left on the device, as read (``values``): before :meth:`read`."""
+        self._pending = [(int(values[a]) if isinstance(a, torch.Tensor) else a, leaves, grads) for a, leaves, grads in self._pending]
 
     def pending(self) -> list[torch.Tensor]:
         """The queued gradients, in the order :meth:`read` takes their largest magnitudes."""
@@ -365,18 +370,19 @@ def unscale_and_measure(
 
     ``leaves`` holds (leaf index, leaf variable, alpha); ``unscaled`` the same for leaves whose
     gradients the backward already unscaled (DDP's, which it all-reduced; accumulated ones),
-    queued only. One fused multiply per scale, device and dtype (none where alpha is 0). Nothing is
+    queued only. One fused multiply per scale, device and dtype (none where alpha is 0; an update's scale,
+    still on the device, multiplies as a tensor, whatever its value). Nothing is
     read: the step's pass over the gradients it uses takes their largest magnitudes, the queued
     ones' included (:meth:`GradientDrift.pending`).
     """
-    by_alpha: dict[int, list[tuple[int, torch.Tensor, bool]]] = defaultdict(list)
+    by_alpha: dict[Exponent, list[tuple[int, torch.Tensor, bool]]] = defaultdict(list)  # an update's scales by identity, unread
     for queued, to_unscale in ((leaves, True), (unscaled, False)):
         for j, variable, alpha in queued:
             if variable.grad is not None:
                 by_alpha[alpha].append((j, variable.grad, to_unscale))
     for alpha, group in by_alpha.items():
-        if alpha != 0:
-            unscale_([grad for _, grad, to_unscale in group if to_unscale], 2.0**-alpha)
+        if isinstance(alpha, torch.Tensor) or alpha != 0:
+            unscale_([grad for _, grad, to_unscale in group if to_unscale], torch.exp2(-alpha) if isinstance(alpha, torch.Tensor) else 2.0**-alpha)
         dense = [(j, grad) for j, grad, _ in group if grad.is_floating_point() and not grad.is_sparse]
         if drift is not None and dense:
             drift.measure(alpha, tuple(j for j, _ in dense), [grad for _, grad in dense], update)

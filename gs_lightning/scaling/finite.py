@@ -34,13 +34,15 @@ def unscale_and_check_(
     return [flags[device] for device in {device for device, _ in groups}]
 
 
-def unscale_(grads: Iterable[torch.Tensor], inv_scale: float) -> None:
+def unscale_(grads: Iterable[torch.Tensor], inv_scale: float | torch.Tensor) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place (a power of two: exact), one fused kernel per device and dtype.
 
-    No check: :func:`unscale_and_check_` does that where the step reads every gradient it uses.
+    ``inv_scale`` may be a 0-dim tensor (an update's scale, unread): it multiplies in fp32 at least, as a
+    Python number does. No check: :func:`unscale_and_check_` does that where the step reads every gradient it uses.
     """
-    for tensors in _dense_groups(grads).values():
-        torch._foreach_mul_(tensors, inv_scale)
+    for (device, dtype), tensors in _dense_groups(grads).items():
+        factor = inv_scale.to(device, torch.promote_types(dtype, torch.float32)) if isinstance(inv_scale, torch.Tensor) else inv_scale
+        torch._foreach_mul_(tensors, factor)
 
 
 def _dense_groups(grads: Iterable[torch.Tensor | None]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:

@@ -10,8 +10,8 @@ multi-model and gradient-penalty loops).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
 from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite, read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
+
+if TYPE_CHECKING:
+    from gs_lightning.scaling.update import UpdateRun
 
 Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
 
@@ -54,6 +57,8 @@ class GraphScales:
         self._updated: list[LayerScale] = []  # the last update's layers in its order, which its unread rates index
         self._first_non_finite: str | None = None
         self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
+        self._undecided: set[int] = set()  # positions in _updated of layers that did not decide: no rates applied
+        self._runs: list[tuple[UpdateRun, ScalePlan, Callable[[], None] | None]] = []  # updates whose scales are unread
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
@@ -75,31 +80,59 @@ class GraphScales:
         self._read_update()
         return self._first_non_finite
 
-    def keep_update(self, layers: list[LayerScale], flags: FiniteFlags, rates: list[UnreadRates]) -> None:
-        """An update's layers, finiteness flags and underflow counts, to read with the step's (:meth:`unread`)."""
-        self._updated = list(layers)
-        self._layers = {layer.name: layer for layer in layers}
-        self._first_non_finite, self._unread = None, (list(flags), list(rates))
+    def keep_update(self, run: UpdateRun, plan: ScalePlan, after_read: Callable[[], None] | None = None) -> None:
+        """An update's plan, layers, finiteness flags and underflow counts (on the device), read with the step's (:meth:`unread`);
+        ``after_read``: what needs their values then. The plan reads them all if asked for first."""
+        self.keep_scales(run, plan, after_read)
+        self._updated = run.decisions.layers  # filled in as read
+        self._first_non_finite, self._unread = None, (list(run.decisions.finite_flags), list(run.decisions.unread_rates))
+        self._undecided = run.decisions.undecided
+
+    def keep_scales(self, run: UpdateRun, plan: ScalePlan, after_read: Callable[[], None] | None = None) -> None:
+        """A run's plan (a reentrant checkpoint's inner graph's too), its scales read with the step's (:meth:`unread`)."""
+        plan.settle = self._read_update
+        self._runs.append((run, plan, after_read))
 
     def unread(self) -> list[torch.Tensor]:
-        """What the last update left on the device, 0-dim each: its finiteness flags, then its underflow counts."""
+        """What the last update left on the device: its scales and decisions, its finiteness flags, its underflow counts."""
+        scales = self._unread_scales()
         if self._unread is None:
-            return []
+            return scales
         flags, rates = self._unread
-        return [v for _, flag in flags for v in flag] + [t for r in rates for t in r.tensors()]
+        return scales + [v for _, flag in flags for v in flag] + [t for r in rates for t in r.tensors()]
 
     def take_reading(self, values: list[float]) -> None:
-        """:meth:`unread` as read (in order): the first non-finite layer and the layers' underflow rates."""
+        """:meth:`unread` as read (in order): the scales and decisions, the first non-finite layer, the layers' underflow rates."""
+        scales = self._unread_scales()
+        known = dict(zip(scales, values))
+        runs, self._runs = self._runs, []
+        for run, plan, _ in runs:
+            run.read_in(known)
+            plan.read_in(known)
+        self.drift.read_in(known)  # the scales of the gradients it queued
+        for _, _, after_read in runs:
+            if after_read is not None:
+                after_read()
+        if self._unread is None:
+            return
         (flags, rates), layers = self._unread, self._updated
         flagged = sum(len(flag) for _, flag in flags)
-        self._first_non_finite = first_non_finite(flags, values[:flagged])
-        counts = iter(values[flagged:])
+        self._first_non_finite = first_non_finite(flags, values[len(scales) : len(scales) + flagged])
+        counts = iter(values[len(scales) + flagged :])
         for r in rates:
-            layers[r.index] = r.applied_to(layers[r.index], counts)
+            if r.index in self._undecided:
+                for _ in r.tensors():
+                    next(counts)
+            else:
+                layers[r.index] = r.applied_to(layers[r.index], counts)
         self.layers = {layer.name: layer for layer in layers}
 
+    def _unread_scales(self) -> list[torch.Tensor]:
+        """The scales and decisions of the runs kept unread, each tensor once."""
+        return list({id(t): t for run, _, _ in self._runs for t in run.unread()}.values())
+
     def _read_update(self) -> None:
-        if self._unread is not None:
+        if self._unread is not None or self._runs:
             self.take_reading(read(self.unread()))
 
     def matches(self, graph: AutogradGraph) -> bool:

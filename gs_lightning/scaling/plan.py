@@ -3,14 +3,14 @@
 Exponents are log2 of power-of-two scales throughout. ``alpha_out[i]`` is the scale node ``i``'s
 outgoing gradients carry; ``slot_alpha[(i, s)]`` the scale of the gradient arriving in slot ``s``
 of node ``i``. The factor applied on an edge is given by :func:`edge_shift`, which both the update
-run (as it decides) and the replay (from a saved plan) use. A plan holds Python ints; during an update
-an exponent may still be a 0-dim tensor on the gradients' device (:data:`Exponent`), unread.
+run (as it decides) and the replay (from a saved plan) use. An update's exponents are 0-dim tensors on the
+gradients' device (:data:`Exponent`) until the step's read; a plan holds Python ints from then on.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Any
@@ -57,6 +57,11 @@ class LeafTargets:
 def exponent_vector(exponents: list[Exponent], device: torch.device) -> torch.Tensor:
     """``exponents`` as one float64 vector on ``device``; a Python int is filled in there, not copied from the host."""
     return torch.stack([e.to(device, torch.float64) if isinstance(e, torch.Tensor) else torch.full((), e, dtype=torch.float64, device=device) for e in exponents])
+
+
+def as_read(exponents: dict[Any, Exponent], values: Mapping[torch.Tensor, float]) -> dict[Any, int]:
+    """``exponents`` with those left on the device as read (``values``): Python ints."""
+    return {key: int(values[e]) if isinstance(e, torch.Tensor) else e for key, e in exponents.items()}
 
 
 def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_alpha: dict[Slot, Exponent], leaves: LeafTargets) -> Exponent:
@@ -168,15 +173,39 @@ class ScalePlan:
 
     ``recomputable``: the GEMM nodes whose parameter gradients the replays can recompute if they
     overflow, keeping their operands until the step (:mod:`~gs_lightning.scaling.recompute`).
+    An update leaves its exponents on the device: ``settle`` reads them (with the step's read, or
+    as :attr:`alpha_out` or :attr:`slot_alpha` is first asked for), after which they are ints.
     """
 
     names: tuple[str, ...]
     edges: tuple[tuple[Slot | None, ...], ...]
-    alpha_out: dict[int, int]
-    slot_alpha: dict[Slot, int]
+    decided_alpha_out: dict[int, Exponent]
+    decided_slot_alpha: dict[Slot, Exponent]
     recomputable: frozenset[int] = frozenset()
+    settle: Callable[[], None] | None = field(default=None, repr=False)  # reads the update that decided it, until it did
     _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(default_factory=dict, repr=False)
     _shared: dict[frozenset[int], tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
+
+    @property
+    def alpha_out(self) -> dict[int, int]:
+        """Node -> the scale its outgoing gradients carry (read first where the update left them on the device)."""
+        self._settled()
+        return self.decided_alpha_out
+
+    @property
+    def slot_alpha(self) -> dict[Slot, int]:
+        """(node, slot) -> the scale of the gradient arriving there (read first as :attr:`alpha_out`)."""
+        self._settled()
+        return self.decided_slot_alpha
+
+    def _settled(self) -> None:
+        if self.settle is not None:
+            self.settle()  # calls read_in
+
+    def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
+        """The exponents the update left on the device, as read (``values``): Python ints from now on."""
+        self.decided_alpha_out, self.decided_slot_alpha = as_read(self.decided_alpha_out, values), as_read(self.decided_slot_alpha, values)
+        self.settle = None
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has the structure this plan was decided for."""
@@ -259,7 +288,7 @@ class ScalePlan:
         return cls(
             names=tuple(state["names"]),
             edges=tuple(tuple(tuple(e) if e is not None else None for e in edges) for edges in state["edges"]),
-            alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
-            slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
+            decided_alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
+            decided_slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
             recomputable=frozenset(int(i) for i in state.get("recomputable", [])),
         )

@@ -9,8 +9,8 @@ How it runs, in brief:
   above what the last update expected of it by more than its layer's margin, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision turns a few statistics of the gradient at
-  hand into its scale on the device, unread, and the run reads them all in one host-device
-  synchronisation once the backward is done (see :meth:`GradientScaler.backward`).
+  hand into its scale on the device, unread: the backward never synchronises, and ``step()`` reads
+  the scales with the gradients (see :meth:`GradientScaler.backward`).
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
   synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
@@ -231,11 +231,11 @@ class GradientScaler:
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """Backpropagate ``loss`` with per-gradient scaling; leaves true gradients in ``.grad``.
 
-        Between updates the backward does not synchronise with the device. On an update iteration
-        (:attr:`update_iterations` counts those) every decision point (GEMM, cast, fused kernel, opaque region)
-        takes its statistics and its scale on the device, and nothing is read while autograd runs; once the
-        backward is done, the scales of the plan to replay and what each layer chose are read together: one
-        synchronisation.
+        Does not synchronise with the device. On an update iteration (:attr:`update_iterations` counts those)
+        every decision point (GEMM, cast, fused kernel, opaque region) takes its statistics and its scale on
+        the device, and the scales multiply the gradients as tensors; :meth:`step` reads them with the
+        gradients, in its one synchronisation (or, before it, the first call that needs them: :meth:`layers`,
+        :meth:`scales`, :meth:`state_dict`, or the next backward of a gradient-accumulation loop).
         """
         try:
             self.scale(loss).backward(retain_graph=retain_graph)

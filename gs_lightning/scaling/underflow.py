@@ -244,7 +244,7 @@ def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, 
 
 # --- Model-free: order statistics of exact values ---------------------------------------------
 
-# Largest sample read per decision: huge gradients are subsampled with a fixed stride.
+# Largest sample taken per decision: huge gradients are subsampled with a fixed stride.
 SAMPLE_LIMIT = 2**20
 # Risk accepted that the chosen order statistic lies above the target quantile.
 CONFIDENCE_RISK = 0.1

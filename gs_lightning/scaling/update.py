@@ -3,15 +3,15 @@
 The run walks the scales through the graph (merging the scales that meet at a node or a branch, passing
 them on through the nodes that decide nothing); the decision core (:mod:`~gs_lightning.scaling.decide`)
 chooses each decision point's scale from a few statistics of the gradient at hand, on the device: every
-scale stays there, unread, and multiplies the gradients as a 0-dim tensor. Once the backward is done the
-run reads them all in one synchronisation (:meth:`UpdateRun.complete`); what it decided becomes a
+scale stays there, unread, and multiplies the gradients as a 0-dim tensor. The step's read takes them with
+the gradients' (:meth:`UpdateRun.unread`); what the run decided becomes a
 :class:`~gs_lightning.scaling.plan.ScalePlan` that the iterations in between replay as constant factors.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
 
@@ -19,9 +19,9 @@ import torch
 
 from gs_lightning.scaling.bounds import ScaleBounds, Settings, decision_nodes
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions
-from gs_lightning.scaling.gradient_stats import Extremes, extremes, read
+from gs_lightning.scaling.gradient_stats import Extremes, extremes
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
-from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, edge_shift, shift, times_pow2
+from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, as_read, edge_shift, shift, times_pow2
 from gs_lightning.scaling.profiled import profiled
 
 Warn = Callable[[str, str], None]
@@ -93,20 +93,24 @@ class UpdateRun:
         return [self.graph.nodes[i].register_hook(partial(self._post, i)) for i in self._pass_through]
 
     def complete(self) -> None:
-        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`,
-        every one a Python int, and every decision a :class:`LayerScale`: read in one synchronisation."""
+        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`.
+        Nothing is read: the scales and the decisions stay on the device until :meth:`read_in`."""
         if not self._every_node_tracked:
             for i in self._pass_through:
                 alpha = self._node_scale(i)
                 for edge in self.graph.edges[i]:
                     if edge is not None and edge[0] not in self.analysis.leaves:
                         self.slot_alpha[edge] = alpha
-        values = [*self.alpha_out.values(), *self.slot_alpha.values()]
-        unread = list({id(v): v for v in (*values, *self.decisions.unread()) if isinstance(v, torch.Tensor)}.values())
-        known = dict(zip(unread, read(unread)))
-        self.decisions.read_in(known)
-        self.alpha_out = {i: int(known[a]) if isinstance(a, torch.Tensor) else a for i, a in self.alpha_out.items()}
-        self.slot_alpha = {slot: int(known[a]) if isinstance(a, torch.Tensor) else a for slot, a in self.slot_alpha.items()}
+
+    def unread(self) -> list[torch.Tensor]:
+        """What :meth:`read_in` needs read: the scales left on the device, and the decisions."""
+        values = [*self.alpha_out.values(), *self.slot_alpha.values(), *self.decisions.unread()]
+        return list({id(v): v for v in values if isinstance(v, torch.Tensor)}.values())
+
+    def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
+        """:meth:`unread` as read (``values``): every scale a Python int, every decision a :class:`LayerScale`."""
+        self.alpha_out, self.slot_alpha = as_read(self.alpha_out, values), as_read(self.slot_alpha, values)
+        self.decisions.read_in(values)
 
     def _needs_post_hook(self, i: int) -> bool:
         """Whether node ``i``'s outgoing gradients need more than the scale it received: an opaque region's
@@ -125,7 +129,7 @@ class UpdateRun:
         return self.decisions.layers
 
     def plan(self) -> ScalePlan:
-        """The decided scales, to replay on the iterations until the next update."""
+        """The decided scales, to replay on the iterations until the next update (left on the device until read: :meth:`ScalePlan.read_in`)."""
         return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha), frozenset(self.bounds.recomputable))
 
     def absorb(self, inner: UpdateRun) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from gs_lightning import GradientScaler
 from gs_lightning.scaling.decide import LayerScale, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift
 from gs_lightning.scaling.graph_scales import MAX_GRAPHS, GraphScales
+from gs_lightning.scaling.plan import ScalePlan
 
 ITERATIONS, INTERVAL = 60, 10
 
@@ -171,6 +173,8 @@ def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> 
     scales = GraphScales((), (), GradientDrift(10, 65504.0, 1.0, 8))
     layers = [LayerScale(name, "gemm", 0, 0, math.nan) for name in ("a", "a", "b")]
     counts = (torch.tensor(1), torch.tensor(4))  # 1 of 4 nonzero values below λmin
-    scales.keep_update(layers, [], [UnreadRates(2, (), (counts,), 0.0, False)])
+    decisions = SimpleNamespace(layers=layers, finite_flags=[], unread_rates=[UnreadRates(2, (), (counts,), 0.0, False)], undecided=set())
+    run = SimpleNamespace(decisions=decisions, unread=list, read_in=lambda values: None)  # its scales already read
+    scales.keep_update(run, ScalePlan((), (), {}, {}))
     scales.take_reading([1.0, 4.0])
     assert scales.layers["b"].underflow_rate == 0.25 and math.isnan(scales.layers["a"].underflow_rate)

@@ -114,9 +114,9 @@ class _Residual(nn.Module):
         return self.head(h)
 
 
-def test_decisions_and_merges_read_nothing_the_run_reads_them_once() -> None:
+def test_decisions_and_merges_read_nothing_the_step_reads_them() -> None:
     """Algorithm 1 alone (the paper preset) and the default recipe: the decisions and the merges' common scales
-    are taken on the device, and the run reads every one of them once the backward is done, whatever the depth."""
+    are taken on the device, whatever the depth, and the backward reads none of them: the step's one read does."""
     for recipe, depth in (("paper", 1), ("paper", 6), ("default", 6)):
         torch.manual_seed(0)
         model, x = _Residual(depth), torch.randn(64, 16)
@@ -125,10 +125,12 @@ def test_decisions_and_merges_read_nothing_the_run_reads_them_once() -> None:
             loss = model(x).float().pow(2).sum()
         with counting_reads() as reads:
             scaler.backward(loss)
-        layers = {layer.name: layer for layer in scaler.layers()}
+        assert reads == []
+        with counting_reads() as reads:
+            layers = {layer.name: layer for layer in scaler.layers()}
+        assert reads == ["tolist"]  # asked before the step: read now, once
         assert len(layers) == depth + 3  # head's cast, head, the inner layers, first
         assert layers["inner.0"].log2_total != layers["head"].log2_total  # the merged parts carried different scales
-        assert reads == ["tolist"]
         scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
         assert not scaler.found_inf
 
@@ -140,11 +142,10 @@ def _encoder() -> tuple[nn.Module, torch.Tensor]:
 
 @pytest.mark.parametrize("build", [lambda: (torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)), _encoder], ids=["resnet18", "encoder"])
 def test_host_reads_per_iteration(build) -> None:
-    """Host reads, scalar reads by the dispatcher included, under fp16 autocast: an update's backward reads once, after
-    autograd has run (the plan's scales and the layers' decisions together; one per decision point before issue 33);
-    a replay's backward never; a step once. The second update also takes the two vectors the drift's expectation
-    computes on the host from the steps' reads (``GradientDrift.expect``: CPU tensors built from host values, on
-    any model's device)."""
+    """Host reads, scalar reads by the dispatcher included, under fp16 autocast: a backward reads nothing, update or
+    replay (one read per decision point before issue 33); a step once, an update's scales and decisions with the
+    gradients. The second update takes the two vectors the drift's expectation computes on the host from the
+    steps' reads (``GradientDrift.expect``: CPU tensors built from host values, on any model's device)."""
     torch.manual_seed(0)
     model, x = build()
     scaler = GradientScaler(model, update_interval=2)
@@ -162,5 +163,25 @@ def test_host_reads_per_iteration(build) -> None:
             scaler.update()
         step_reads.append(len(reads))
     assert scaler.update_iterations == 2 and not scaler.found_inf
-    assert backward_reads == [1, 0, 3, 0]
+    assert backward_reads == [0, 0, 2, 0]
     assert step_reads == [1, 1, 1, 1]
+
+
+def test_gradient_accumulation_reads_the_update_as_the_next_backward_starts() -> None:
+    """Two backwards before a step: the second replays the plan the first decided, which it reads as it starts (once);
+    the step then reads the gradients (once), and the accumulated gradients are those of two plain backwards."""
+    torch.manual_seed(0)
+    model, x = _Residual(2), torch.randn(64, 16)
+    plain = [torch.zeros_like(p) for p in model.parameters()]
+    for half in x.chunk(2):
+        for total, grad in zip(plain, torch.autograd.grad(model(half).pow(2).sum(), list(model.parameters()))):
+            total += grad
+    scaler, reads = GradientScaler(model), []
+    for half in x.chunk(2):
+        with counting_reads() as backward_reads:
+            scaler.backward(model(half).pow(2).sum())
+        reads.append(len(backward_reads))
+    with counting_reads() as step_reads:
+        scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    assert reads == [0, 1] and len(step_reads) == 1 and scaler.update_iterations == 1
+    assert all(torch.equal(p.grad, total) for p, total in zip(model.parameters(), plain))

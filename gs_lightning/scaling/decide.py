@@ -6,8 +6,8 @@ its weight gradient), a cast (an order statistic of the gradient, or Theorem 2),
 different scales (Algorithm 1, line 17). Every rule measures a few statistics of the tensors at hand and
 leaves the choice to :meth:`ScaleBounds.choose <gs_lightning.scaling.bounds.ScaleBounds.choose>`, all on
 the gradients' device: no value is read to the host during the backward. A decision is an
-:class:`UnreadLayer` until the run reads every decision at once (:meth:`NodeDecisions.read_in`), and a
-:class:`LayerScale` after.
+:class:`UnreadLayer` until the step's read takes every decision at once (:meth:`NodeDecisions.read_in`),
+and a :class:`LayerScale` after.
 """
 
 from __future__ import annotations

@@ -170,8 +170,14 @@ class ScaleBounds:
         return 0.0 if margin is None else margin
 
     def total_cap(self, i: int) -> int | None:
-        caps = [c for c in (self.settings.total_cap, self.settings.node_caps.get(i), self.kept_downstream.get(i)) if c is not None]
-        return min(caps) if caps else None
+        """The lowest cap on node ``i``'s accumulated scale (``None``: uncapped)."""
+        return min((c for _, c in self._total_caps(i)), default=None)
+
+    def _total_caps(self, i: int) -> list[tuple[int, int]]:
+        """(position in :data:`CAPS`, cap) of each cap on node ``i``'s accumulated scale: the user's or the back-off's,
+        the layer's back-off, what the GEMMs downstream keep."""
+        caps = (self.settings.total_cap, self.settings.node_caps.get(i), self.kept_downstream.get(i))
+        return [(k, c) for k, c in enumerate(caps, 1) if c is not None]
 
     def capped(self, exponent: Exponent, i: int) -> Exponent:
         cap = self.total_cap(i)
@@ -222,8 +228,7 @@ class ScaleBounds:
     def _ceiling(self, i: int, alpha: Exponent) -> tuple[Exponent | None, int | torch.Tensor]:
         """The highest local scale the caps leave node ``i`` receiving ``alpha`` (``None``: uncapped), and which cap
         that is (its position in :meth:`choose`'s candidates: the first of :data:`CAPS` at that value)."""
-        s = self.settings
-        totals = [(k, c) for k, c in enumerate((s.total_cap, s.node_caps.get(i), self.kept_downstream.get(i)), 1) if c is not None]
+        s, totals = self.settings, self._total_caps(i)
         if not totals:
             return s.layer_cap, 2
         lowest = min(c for _, c in totals)
@@ -238,18 +243,16 @@ class ScaleBounds:
         """The largest values of the parameter gradients GEMM ``i`` computes and feeds, as expected on the batches to
         come, times ``2^alpha`` and :attr:`ScalingRecipe.expected_maxima_margin_log2` (the bound on the local scale
         leaves room for the scale ``alpha`` it receives): what :meth:`choose`'s overflow bounds keep below λmax."""
-        maxima = {}
-        expected = self.expected.get(i, 0.0)
+        expected, maxima = self.expected.get(i, 0.0), {}
         if expected > 0.0:
             kind = Limit.RECOMPUTED_SPIKES if i in self.recomputable else Limit.EXPECTED_PARAMETER_GRADIENTS
-            maxima[Bound(kind)] = expected * _pow2(self.expected_margin() + alpha, device)
+            maxima[Bound(kind)] = expected
         if i in self.fed_maxima:
-            maxima[Bound(Limit.FED_PARAMETER_GRADIENTS)] = self.fed_maxima[i] * _pow2(self.expected_margin() + alpha, device)
-        return maxima
-
-def _pow2(exponent: Exponent | float, device: torch.device) -> torch.Tensor:
-    """2^exponent as a 0-dim float64 tensor on ``device`` (exact for an integer exponent)."""
-    return torch.exp2(as_float64(exponent, device))
+            maxima[Bound(Limit.FED_PARAMETER_GRADIENTS)] = self.fed_maxima[i]
+        if not maxima:
+            return {}
+        scaled = torch.exp2(as_float64(self.expected_margin() + alpha, device))  # exact: an integer exponent
+        return {bound: value * scaled for bound, value in maxima.items()}
 
 
 # The caps choose() names, in the order it names the first that holds a scale.

@@ -290,6 +290,7 @@ class ScaledBackwards:
             expected_maxima=expected,
             recompute=recompute,
             level_maxima=levels if recompute else {},
+            measured_weight_nodes=scales.measured_weights.get(path),
             recipe=recipe,
         )
 
@@ -345,7 +346,7 @@ class ScaledBackwards:
         if prepared.parent is not None:  # an inner graph: its outer backward goes on
             if run is not None:
                 plan = scales.plans[prepared.path] = run.plan()
-                scales.keep_scales(run, plan)
+                scales.keep_scales(run, plan, prepared.path)
                 if prepared.parent.run is not None:
                     prepared.parent.run.absorb(run)
             return

@@ -52,6 +52,10 @@ class Settings:
         level_maxima: Leaf index -> its gradient's level, without the spikes
             (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
             with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
+        measured_weight_nodes: The GEMMs whose weight gradients are computed exactly, where their Cauchy–Schwarz bound
+            binds (:meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>`): those
+            where it held the scale on an earlier update (:attr:`GraphScales.measured_weights
+            <gs_lightning.scaling.graph_scales.GraphScales.measured_weights>`); ``None``: every GEMM.
         recipe: The rules' settings (margins, headroom, probe budgets).
     """
 
@@ -66,6 +70,7 @@ class Settings:
     expected_maxima: Mapping[int, float] = field(default_factory=dict)
     recompute: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
+    measured_weight_nodes: frozenset[int] | None = None
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
 
 

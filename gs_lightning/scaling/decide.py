@@ -169,6 +169,9 @@ class NodeDecisions:
         unread_rates: The layers' rates, filled in with the step's read (:meth:`UnreadRates.applied_to`):
             their rates in :attr:`layers` are NaN until then.
         undecided: The positions in :attr:`layers` of decisions that found no finite statistics (once read in).
+        weight_binds: GEMM -> whether its Cauchy–Schwarz weight-gradient bound held its scale below γ' (0-dim, unread).
+        unmeasured: The GEMMs whose weight gradients were not measured (:attr:`Settings.measured_weight_nodes`).
+        weight_bound: The GEMMs of :attr:`weight_binds` where it held (once read in).
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
@@ -178,6 +181,9 @@ class NodeDecisions:
         self.opaque_probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.unread_rates: list[UnreadRates] = []
         self.undecided: set[int] = set()  # positions in layers, once read in
+        self.weight_binds: dict[int, torch.Tensor] = {}
+        self.unmeasured: set[int] = set()
+        self.weight_bound: set[int] = set()  # once read in
 
     def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
@@ -266,12 +272,19 @@ class NodeDecisions:
             **self.bounds.expected_maxima(i, alpha, device),
         }
         bounds, weight = list(maxima), Bound(Limit.WEIGHT_GRADIENT)
-        measured = self._measured_weight_maximum(i, grad) if weight in maxima else None
+        # The exact weight gradient, on the GEMMs the settings name (None: every one)
+        measures = weight in maxima and recipe.exact_probes and (s.measured_weight_nodes is None or i in s.measured_weight_nodes)
+        measured = self._measured_weight_maximum(i, grad) if measures else None
         limits = overflow_max_log2_scale(torch.stack([*maxima.values(), *([] if measured is None else [measured])]), s.lambda_max)
         if weight in maxima:  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
             relaxed, limits, w = limits[-1], limits[: len(bounds)].clone(), bounds.index(weight)
             binds = (limits[w] < lower.clamp_min(0.0)) & (limits.amin() == limits[w])
-            limits[w] = torch.where(binds, math.inf if measured is None else torch.maximum(limits[w], relaxed), limits[w])
+            if recipe.exact_probes:
+                self.weight_binds[i] = binds
+            if recipe.exact_probes and not measures:  # it stands on this update; the next one measures it
+                self.unmeasured.add(i)
+            else:  # none measured (without exact probes, from an unreadable input): it binds nowhere
+                limits[w] = torch.where(binds, math.inf if measured is None else torch.maximum(limits[w], relaxed), limits[w])
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
         beta = torch.where(decided, beta, 0.0)
         modelled = [(partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,)) for sigma, n in zip(sigmas, lengths)]
@@ -293,8 +306,8 @@ class NodeDecisions:
 
     def _measured_weight_maximum(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The largest value of GEMM ``i``'s weight gradients, computed in fp32, times :attr:`ScalingRecipe.weight_grad_margin_log2`
-        to spare: one more GEMM per layer with a weight gradient, on update iterations. ``None`` without exact probes
-        (the Cauchy–Schwarz bound then binds nowhere it would keep the scale from γ')."""
+        to spare: one more GEMM, on the update iterations of the layers in :attr:`Settings.measured_weight_nodes`.
+        ``None`` without exact probes (the Cauchy–Schwarz bound then binds nowhere it would keep the scale from γ')."""
         exact = self._weight_samples(i, grad, elements=sys.maxsize) if self.settings.recipe.exact_probes else []
         if not exact:
             return None
@@ -404,12 +417,13 @@ class NodeDecisions:
         return 0
 
     def unread(self) -> list[torch.Tensor]:
-        """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided."""
-        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()]
+        """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided, the weight bounds' flags."""
+        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()] + list(self.weight_binds.values())
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
         """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the layers that
         did not decide into :attr:`undecided` (their rates are not applied: they stay NaN)."""
+        self.weight_bound = {i for i, binds in self.weight_binds.items() if values[binds]}
         for k, layer in enumerate(self.layers):
             if isinstance(layer, UnreadLayer):
                 self.layers[k], decided = layer.read(values)

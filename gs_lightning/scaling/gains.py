@@ -115,8 +115,17 @@ def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int,
 
 def bounded_gains(found: list[tuple[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
     """Node -> its gain (:func:`node_gains`), float64 on its device, unread: 1 where it is at most 1 or not finite
-    (a gain below 1 protects nothing downstream; an infinite one bounds nothing)."""
-    return {j: torch.where((gain > 1.0) & torch.isfinite(gain), gain.double(), 1.0) for j, gain in found}
+    (a gain below 1 protects nothing downstream; an infinite one bounds nothing). Bounded together, a few kernels per
+    device and dtype, not a few per gain."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for j, gain in found:
+        groups.setdefault((gain.device, gain.dtype), []).append((j, gain))
+    bounded: dict[int, torch.Tensor] = {}
+    for pairs in groups.values():
+        gains = torch.stack([gain for _, gain in pairs])
+        kept = torch.where((gains > 1.0) & torch.isfinite(gains), gains.double(), 1.0)
+        bounded.update(zip([j for j, _ in pairs], kept.unbind()))
+    return bounded
 
 
 def _saves_first_order_gradient(name: str) -> bool:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gs_lightning.scaling.decide import LayerScale, UnreadRates
+from gs_lightning.scaling.decide import LayerScale, NodeDecisions, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
 from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite, read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
@@ -43,7 +43,11 @@ class GraphScales:
         layer_backoff: Caps on its nodes that overflowed.
         backwards: Backwards of this structure run so far: its update schedule counts these.
         last_skip: :attr:`backwards` at the last skipped step it took part in.
-        force_update: Whether its next backward decides the scales again (a skipped step, the drift).
+        force_update: Whether its next backward decides the scales again (a skipped step, the drift, a weight
+            gradient's bound that held unmeasured).
+        measured_weights: Per path, the GEMMs whose weight gradients its updates compute exactly (where the
+            Cauchy–Schwarz bound binds): those where it held the scale on an earlier update, every GEMM before the
+            first (no entry). A GEMM joins as its bound first holds; unmeasured then, the next backward updates.
     """
 
     def __init__(self, names: tuple[str, ...], edges: tuple, drift: GradientDrift) -> None:
@@ -58,7 +62,8 @@ class GraphScales:
         self._first_non_finite: str | None = None
         self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
         self._undecided: set[int] = set()  # positions in _updated of layers that did not decide: no rates applied
-        self._runs: list[tuple[UpdateRun, ScalePlan, Callable[[], None] | None]] = []  # updates whose scales are unread
+        self._runs: list[tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]] = []  # updates whose scales are unread
+        self.measured_weights: dict[Path, frozenset[int]] = {}
         self.backwards = 0
         self.last_skip = 0
         self.force_update = False
@@ -83,15 +88,15 @@ class GraphScales:
     def keep_update(self, run: UpdateRun, plan: ScalePlan, after_read: Callable[[], None] | None = None) -> None:
         """An update's plan, layers, finiteness flags and underflow counts (on the device), read with the step's (:meth:`unread`);
         ``after_read``: what needs their values then. The plan reads them all if asked for first."""
-        self.keep_scales(run, plan, after_read)
+        self.keep_scales(run, plan, (), after_read)
         self._updated = run.decisions.layers  # filled in as read
         self._first_non_finite, self._unread = None, (list(run.decisions.finite_flags), list(run.decisions.unread_rates))
         self._undecided = run.decisions.undecided
 
-    def keep_scales(self, run: UpdateRun, plan: ScalePlan, after_read: Callable[[], None] | None = None) -> None:
-        """A run's plan (a reentrant checkpoint's inner graph's too), its scales read with the step's (:meth:`unread`)."""
+    def keep_scales(self, run: UpdateRun, plan: ScalePlan, path: Path, after_read: Callable[[], None] | None = None) -> None:
+        """A run's plan (a reentrant checkpoint's inner graph's, at ``path``, too), its scales read with the step's (:meth:`unread`)."""
         plan.settle = self._read_update
-        self._runs.append((run, plan, after_read))
+        self._runs.append((run, plan, path, after_read))
 
     def unread(self) -> list[torch.Tensor]:
         """What the last update left on the device: its scales and decisions, its finiteness flags, its underflow counts."""
@@ -106,11 +111,12 @@ class GraphScales:
         scales = self._unread_scales()
         known = dict(zip(scales, values))
         runs, self._runs = self._runs, []
-        for run, plan, _ in runs:
+        for run, plan, path, _ in runs:
             run.read_in(known)
             plan.read_in(known)
+            self._measure_weights(path, run.decisions)
         self.drift.read_in(known)  # the scales of the gradients it queued
-        for _, _, after_read in runs:
+        for _, _, _, after_read in runs:
             if after_read is not None:
                 after_read()
         if self._unread is None:
@@ -127,9 +133,16 @@ class GraphScales:
                 layers[r.index] = r.applied_to(layers[r.index], counts)
         self.layers = {layer.name: layer for layer in layers}
 
+    def _measure_weights(self, path: Path, decisions: NodeDecisions) -> None:
+        """The GEMMs whose weight-gradient bound held on an update join :attr:`measured_weights`; where it held unmeasured,
+        the next backward updates."""
+        self.measured_weights[path] = self.measured_weights.get(path, frozenset()) | decisions.weight_bound
+        if decisions.weight_bound & decisions.unmeasured:
+            self.force_update = True
+
     def _unread_scales(self) -> list[torch.Tensor]:
         """The scales and decisions of the runs kept unread, each tensor once."""
-        return list({id(t): t for run, _, _ in self._runs for t in run.unread()}.values())
+        return list({id(t): t for run, _, _, _ in self._runs for t in run.unread()}.values())
 
     def _read_update(self) -> None:
         if self._unread is not None or self._runs:
@@ -156,6 +169,7 @@ class GraphScales:
             "backwards": self.backwards,
             "last_skip": self.last_skip,
             "force_update": self.force_update,
+            "measured_weights": [[list(path), sorted(nodes)] for path, nodes in self.measured_weights.items()],
         }
 
     @classmethod
@@ -171,6 +185,7 @@ class GraphScales:
         graph.backwards = int(state.get("backwards", 0))
         graph.last_skip = int(state.get("last_skip", 0))
         graph.force_update = bool(state.get("force_update", False))
+        graph.measured_weights = {tuple(path): frozenset(nodes) for path, nodes in state.get("measured_weights", [])}
         return graph
 
     # Pickled (copy.deepcopy) as its state: the analyses hold autograd nodes, the plans cached hooks.

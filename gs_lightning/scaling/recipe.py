@@ -68,7 +68,8 @@ class ScalingRecipe:
             may grow between updates before a replay overflows (GPT-2's c_proj bias gradients
             overflowed one SGD step after an update without it). 0 in the paper.
         weight_grad_margin_log2: Binades kept above a weight gradient measured exactly on the
-            update iteration, where that measurement replaces the Cauchy–Schwarz bound.
+            update iteration, where that measurement replaces the Cauchy–Schwarz bound (measured
+            on the first update, then where that bound held on an earlier one).
         opaque_probe_headroom_log2: An opaque region (custom autograd Function, compiled region)
             is probed this many binades below the overflow of the gradient entering it.
         wide_branch_scale: The scale of a branch's sum taken in a wider format than the gradients'

@@ -173,7 +173,10 @@ def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> 
     scales = GraphScales((), (), GradientDrift(10, 65504.0, 1.0, 8))
     layers = [LayerScale(name, "gemm", 0, 0, math.nan) for name in ("a", "a", "b")]
     counts = (torch.tensor(1), torch.tensor(4))  # 1 of 4 nonzero values below λmin
-    decisions = SimpleNamespace(layers=layers, finite_flags=[], unread_rates=[UnreadRates(2, (), (counts,), 0.0, False)], undecided=set())
+    decisions = SimpleNamespace(
+        layers=layers, finite_flags=[], unread_rates=[UnreadRates(2, (), (counts,), 0.0, False)], undecided=set(),
+        weight_bound=set(), unmeasured=set(),
+    )
     run = SimpleNamespace(decisions=decisions, unread=list, read_in=lambda values: None)  # its scales already read
     scales.keep_update(run, ScalePlan((), (), {}, {}))
     scales.take_reading([1.0, 4.0])

@@ -222,14 +222,19 @@ class NodeDecisions:
         if known_equal and not low_precision_sum:
             return alphas[0]
         exponents = exponent_vector(alphas, device)
-        low_high = torch.stack([v.double() for g, _ in parts for v in extremes(g)]).view(-1, 2)  # parts of several dtypes
-        true_maxima = torch.maximum(-low_high[:, 0], low_high[:, 1]) * torch.exp2(-exponents)  # NaN where a part holds one
+        pairs = [v for g, _ in parts for v in extremes(g)]
+        same_dtype = all(v.dtype == pairs[0].dtype for v in pairs)  # else parts of several dtypes: each widened
+        low_high = (torch.stack(pairs).double() if same_dtype else torch.stack([v.double() for v in pairs])).view(-1, 2)
+        true_maxima = low_high.abs().amax(dim=1) * torch.exp2(-exponents)  # NaN where a part holds one
         largest = true_maxima.sum() if summed else true_maxima.amax()
         gain = self.bounds.gains_after.get(i)
         largest = largest if gain is None else largest * gain.to(device)
         headroom = self.settings.recipe.replay_headroom_log2
         chosen = self.bounds.capped(branch_log2_scale(exponents, largest * 2.0**headroom, self.settings.lambda_max), i)
-        return chosen if low_precision_sum else torch.where((exponents == exponents[0]).all(), exponents[0], chosen)
+        if low_precision_sum:
+            return chosen
+        first = exponents[0]
+        return torch.where((exponents == first).all(), first, chosen)
 
     def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.

@@ -7,6 +7,7 @@ import math
 import torch
 
 from gs_lightning.scaling.probes import detached
+from gs_lightning.scaling.underflow import finite
 
 
 def rms(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,7 @@ def magnitude(pair: Extremes) -> torch.Tensor:
 
 def all_finite(values: list[torch.Tensor]) -> torch.Tensor:
     """Whether every one of the 0-dim ``values`` is finite, a 0-dim bool tensor on their device, unread."""
-    return torch.isfinite(torch.stack(values)).all()
+    return finite(torch.stack(values)).all()
 
 
 def memory_order(t: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,8 @@ def _product(values: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor
     if not isinstance(factor, torch.Tensor):
         return values * factor
     wide = torch.promote_types(values.dtype, torch.float32)
+    if wide == values.dtype:  # a 0-dim factor takes the values' dtype in the product's one kernel
+        return values * factor
     return (values.to(wide) * factor.to(wide)).to(values.dtype)
 
 

@@ -235,7 +235,7 @@ def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, 
     (or their sum, for a sum). Returns the largest α_j with 2^α_j · largest_true_value < λmax, a 0-dim tensor; if
     none fits, the smallest halved until one does. A non-finite or zero ``largest_true_value`` bounds nothing.
     """
-    bounded = (largest_true_value > 0.0) & torch.isfinite(largest_true_value)
+    bounded = (largest_true_value > 0.0) & finite(largest_true_value)
     bound = torch.where(bounded, torch.log2(lambda_max / largest_true_value), math.inf)
     fits = incoming < bound
     largest_fitting = torch.where(fits, incoming, -math.inf).amax()
@@ -308,9 +308,9 @@ class ExactSample:
             return torch.full((), -math.inf, dtype=torch.float64, device=smallest.device)
         n = self.nonzero_count
         rank = torch.searchsorted(rank_breakpoints(smallest.numel(), target, CONFIDENCE_RISK, n.device), n, right=True)
-        below_minimum = smallest[0] * target / -torch.expm1(divide(math.log(CONFIDENCE_RISK), n.double()))
-        # rank k > 0 picks the k-th smallest; gathered (indexing by a 0-dim tensor would read it)
-        threshold = torch.cat([below_minimum.view(1), smallest]).gather(0, rank.view(1)).view(())
+        below_minimum = smallest[0] * -target / torch.expm1(divide(math.log(CONFIDENCE_RISK), n.double()))
+        # rank k > 0 picks the k-th smallest; taken (indexing by a 0-dim tensor would read it)
+        threshold = torch.take(torch.cat([below_minimum.view(1), smallest]), rank)
         return torch.log2(divide(lambda_min, threshold))  # no nonzero value: the minimum is inf, and -inf is returned
 
     def underflow_count(self, log2_scale: int | torch.Tensor, lambda_min: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from gs_lightning.scaling.limits import Bound, Limit, UnreadBound
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.underflow import as_float64, below_bounds, finite, sufficient_log2_scale
+from gs_lightning.scaling.underflow import as_float64, below_bounds, constant, finite, sufficient_log2_scale
 
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
@@ -220,14 +220,14 @@ class ScaleBounds:
         candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
         reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
-            reason = torch.where((beta == ceiling) & (beta < torch.ceil(upper) - 1.0), cap, reason)
-        reason = torch.where((beta >= torch.ceil(lower)) | ~(lower < math.inf), 0, reason)
+            reason = torch.where((beta == ceiling) & (beta < torch.ceil(upper) - 1.0), constant(cap, device, reason.dtype), reason)
+        reason = torch.where((beta >= torch.ceil(lower)) | ~(lower < math.inf), constant(0, device, reason.dtype), reason)
         if recipe.spike_room_log2 > 0.0 and any(bound.limit.expected for bound in bounds) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
             roomy = (values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)).amin()
             with_room = torch.maximum(below_bounds(sufficient, roomy, ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
             roomier = finite(lower) & (with_room < beta)
-            beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, 1, reason)
+            beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, constant(1, device, reason.dtype), reason)
         return beta, UnreadBound(candidates, reason)
 
     def _ceiling(self, i: int, alpha: Exponent) -> tuple[Exponent | None, int | torch.Tensor]:

@@ -34,11 +34,14 @@ from gs_lightning.scaling.underflow import (
     branch_log2_scale,
     cast_min_log2_scale,
     cast_underflow_rate,
+    constant,
     counted_rate,
+    finite,
     gemm_min_log2_scale,
     gemm_sigma,
     gemm_underflow_rate,
     overflow_max_log2_scale,
+    where_or,
 )
 
 
@@ -289,9 +292,9 @@ class NodeDecisions:
             if recipe.exact_probes and not measures:  # it stands on this update; the next one measures it
                 self.unmeasured.add(i)
             else:  # none measured (without exact probes, from an unreadable input): it binds nowhere
-                limits[w] = torch.where(binds, math.inf if measured is None else torch.maximum(limits[w], relaxed), limits[w])
+                limits[w] = torch.where(binds, constant(math.inf, device, limits.dtype) if measured is None else torch.maximum(limits[w], relaxed), limits[w])
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
-        beta = torch.where(decided, beta, 0.0)
+        beta = where_or(decided, beta, 0.0)
         modelled = [(partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,)) for sigma, n in zip(sigmas, lengths)]
         measured = [v.underflow_count(beta, s.lambda_min) for v in samples]
         self._add(UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided), modelled, measured)
@@ -340,7 +343,7 @@ class NodeDecisions:
         log_mean, log_std = mean.double(), variance.double().clamp_min(0.0).sqrt()
         lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
         beta, bound = self.bounds.choose(i, alpha, lower, [Bound(Limit.INCOMING_GRADIENT)], overflow_max_log2_scale(grad_max, s.lambda_max).view(1))
-        beta = torch.where(decided, beta, 0.0)
+        beta = where_or(decided, beta, 0.0)
         modelled = [(partial(cast_underflow_rate, lambda_min=s.lambda_min), (log_mean, log_std))]
         self._add(UnreadLayer(self.analysis.layer_names[i], "cast", beta, alpha, bound, decided), modelled, [])
         return beta
@@ -367,7 +370,7 @@ class NodeDecisions:
         bounds = [Bound(Limit.INCOMING_GRADIENT), *(Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None) for k in range(len(sample_max)))]
         limits = overflow_max_log2_scale(torch.stack([grad_max, *(m * gain for m in sample_max)]), s.lambda_max)
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
-        beta = torch.where(decided, beta, 0.0)
+        beta = where_or(decided, beta, 0.0)
         measured = [v.underflow_count(beta, s.lambda_min) for v in exact]
         self._add(UnreadLayer(self.analysis.layer_names[i], kind, beta, alpha, bound, decided), [], measured, measured_is_rate=True)
         return beta
@@ -376,7 +379,7 @@ class NodeDecisions:
         """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
         device = grad_extremes[0].device
         upper = overflow_max_log2_scale(magnitude(grad_extremes), self.settings.lambda_max)
-        beta = torch.where(torch.isfinite(upper), torch.ceil(upper) - 1.0 - self.settings.recipe.opaque_probe_headroom_log2, 0.0)
+        beta = where_or(finite(upper), torch.ceil(upper) - 1.0 - self.settings.recipe.opaque_probe_headroom_log2, 0.0)
         ceiling = self.bounds.ceiling(i, alpha, device)
         beta = beta if ceiling is None else torch.minimum(beta, ceiling)
         self.opaque_probes[i] = (beta, upper)
@@ -399,7 +402,7 @@ class NodeDecisions:
         maxima = [magnitude(pair) for pair in pairs]
         decided = all_finite(maxima) if maxima else True
         upper = torch.stack([upper_in, *(probe_scale + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima)]).amin()
-        beta = torch.where(torch.isfinite(upper), torch.ceil(upper) - 2.0, 0.0)  # one binade of margin below the largest
+        beta = where_or(finite(upper), torch.ceil(upper) - 2.0, 0.0)  # one binade of margin below the largest
         ceiling = self.bounds.ceiling(i, alpha_in, device)
         beta = beta if ceiling is None else torch.minimum(beta, ceiling)
         beta = torch.where(decided, beta, probe_scale) if maxima else beta

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from gs_lightning.scaling.formats import widened
+
 
 def unscale_and_check_(
     grads: Iterable[torch.Tensor], inv_scale: float = 1.0, found_inf: dict[torch.device, torch.Tensor] | None = None
@@ -41,7 +43,7 @@ def unscale_(grads: Iterable[torch.Tensor], inv_scale: float | torch.Tensor) -> 
     Python number does. No check: :func:`unscale_and_check_` does that where the step reads every gradient it uses.
     """
     for (device, dtype), tensors in _dense_groups(grads).items():
-        factor = inv_scale.to(device, torch.promote_types(dtype, torch.float32)) if isinstance(inv_scale, torch.Tensor) else inv_scale
+        factor = inv_scale.to(device, widened(dtype)) if isinstance(inv_scale, torch.Tensor) else inv_scale
         torch._foreach_mul_(tensors, factor)
 
 

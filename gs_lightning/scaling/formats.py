@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,3 +43,13 @@ def float_format(dtype: torch.dtype) -> FloatFormat:
     except KeyError:
         supported = ", ".join(f"torch.{f.name}" for f in FORMATS.values())
         raise ValueError(f"GradientScaler: dtype {dtype} is not a supported format; expected one of {supported}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def widened(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` promoted to fp32 at least, where a power-of-two factor multiplies gradients of that dtype.
+
+    Looked up once per dtype: ``torch.promote_types`` is an operator, which a dispatch mode (the fp16
+    emulation, a profiler's) would see on every product.
+    """
+    return torch.promote_types(dtype, torch.float32)

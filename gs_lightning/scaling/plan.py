@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from gs_lightning.scaling.formats import widened
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, Slot
 
 # log2 of a power-of-two scale: a Python int, or (during an update, until read) a 0-dim float64 tensor on the device.
@@ -126,7 +127,7 @@ def _product(values: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor
     first (2^20 is inf in fp16): it multiplies in fp32 at least, as a Python factor does."""
     if not isinstance(factor, torch.Tensor):
         return values * factor
-    wide = torch.promote_types(values.dtype, torch.float32)
+    wide = widened(values.dtype)
     if wide == values.dtype:  # a 0-dim factor takes the values' dtype in the product's one kernel
         return values * factor
     return (values.to(wide) * factor.to(wide)).to(values.dtype)

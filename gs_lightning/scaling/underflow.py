@@ -83,7 +83,7 @@ def gemm_min_log2_scale(
         smallest = divide(lambda_min, _SQRT2 * sigma * erfinv(target))
     else:  # γ(α) = F_N(λmin √N / (α σ)) ≤ target  ⟺  α ≥ λmin √N / (σ F_N⁻¹(target))
         smallest = divide(lambda_min * math.sqrt(n), sigma * product_sum_quantile(target, n))
-    return torch.where((sigma > 0.0) & (sigma < math.inf), torch.log2(smallest), -math.inf)
+    return where_or((sigma > 0.0) & (sigma < math.inf), torch.log2(smallest), -math.inf)
 
 
 def product_sum_cdf(x: float, accumulation_length: float) -> float:
@@ -180,7 +180,7 @@ def overflow_max_log2_scale(largest_output: float | torch.Tensor, lambda_max: fl
     """Real log2 of the bound on α from α · largest_output < λmax (``inf`` when unconstrained), on the device of
     ``largest_output`` (a float: the CPU), unread."""
     largest = as_float64(largest_output)
-    return torch.where((largest > 0.0) & (largest < math.inf), torch.log2(divide(lambda_max, largest)), math.inf)
+    return where_or((largest > 0.0) & (largest < math.inf), torch.log2(divide(lambda_max, largest)), math.inf)
 
 
 def choose_log2_scale(
@@ -199,7 +199,7 @@ def choose_log2_scale(
 
 def sufficient_log2_scale(lower: torch.Tensor) -> torch.Tensor:
     """The exponent :func:`choose_log2_scale` takes before any bound: ``lower`` rounded up, at least 0 (0 where not finite)."""
-    return torch.where(finite(lower), torch.ceil(lower).clamp_min(0.0), 0.0)
+    return where_or(finite(lower), torch.ceil(lower).clamp_min(0.0), 0.0)
 
 
 def below_bounds(exponent: torch.Tensor, upper: float | torch.Tensor, ceiling: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -218,14 +218,21 @@ def as_float64(value: float | torch.Tensor, device: torch.device | None = None) 
     return torch.full((), value, dtype=torch.float64, device=device)
 
 
+def where_or(condition: torch.Tensor, values: torch.Tensor, otherwise: float) -> torch.Tensor:
+    """``torch.where(condition, values, otherwise)``, the number ``otherwise`` a constant of ``values``' dtype and
+    device made once (a Python number is wrapped in a new tensor on every call)."""
+    return torch.where(condition, values, constant(otherwise, values.device, values.dtype))
+
+
 def finite(values: torch.Tensor) -> torch.Tensor:
     """Where ``values`` are finite: two kernels (``torch.isfinite`` of a float tensor runs four)."""
     return values.abs() < math.inf
 
 
 def divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator`` rounded once, as in Python floats (``float / tensor`` multiplies by a reciprocal)."""
-    return torch.full_like(denominator, numerator).div_(denominator)
+    """``numerator / denominator`` rounded once, as in Python floats (``float / tensor`` multiplies by a reciprocal):
+    one kernel, the numerator a constant of the denominator's dtype on its device."""
+    return torch.div(constant(numerator, denominator.device, denominator.dtype), denominator)
 
 
 def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, lambda_max: float) -> torch.Tensor:
@@ -236,9 +243,9 @@ def branch_log2_scale(incoming: torch.Tensor, largest_true_value: torch.Tensor, 
     none fits, the smallest halved until one does. A non-finite or zero ``largest_true_value`` bounds nothing.
     """
     bounded = (largest_true_value > 0.0) & finite(largest_true_value)
-    bound = torch.where(bounded, torch.log2(lambda_max / largest_true_value), math.inf)
+    bound = where_or(bounded, torch.log2(lambda_max / largest_true_value), math.inf)
     fits = incoming < bound
-    largest_fitting = torch.where(fits, incoming, -math.inf).amax()
+    largest_fitting = where_or(fits, incoming, -math.inf).amax()
     return torch.where(fits.any(), largest_fitting, torch.minimum(incoming.amin(), torch.ceil(bound) - 1.0))
 
 
@@ -291,7 +298,7 @@ class ExactSample:
     def __init__(self, values: torch.Tensor) -> None:
         magnitudes = _sample(values).abs().float()
         nonzero = magnitudes > 0
-        self._positive = torch.where(nonzero, magnitudes, _infinity(magnitudes.device))  # zeros (and NaN) never count
+        self._positive = where_or(nonzero, magnitudes, math.inf)  # zeros (and NaN) never count
         self.nonzero_count = nonzero.sum()  # int64: a float32 sum of booleans measured 2.5x slower
 
     def smallest(self, target: float) -> torch.Tensor:
@@ -327,10 +334,11 @@ def counted_rate(below: float, nonzero: float) -> float:
     return below / nonzero if nonzero else 0.0
 
 
-@functools.lru_cache(maxsize=64)
-def _infinity(device: torch.device) -> torch.Tensor:
-    """A 0-dim fp32 ``inf`` on ``device``, made once (as a Python scalar, ``where`` would make it every call)."""
-    return torch.tensor(math.inf, device=device)
+@functools.lru_cache(maxsize=256)
+def constant(value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-dim ``value`` on ``device``, filled in there once per (value, device, dtype); never written to.
+    (As a Python scalar, ``where`` would make it every call, and a division would multiply by a reciprocal.)"""
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=256)

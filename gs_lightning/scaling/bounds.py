@@ -220,7 +220,8 @@ class ScaleBounds:
         candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
         reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
-            reason = torch.where((beta == ceiling) & (beta < torch.ceil(upper) - 1.0), constant(cap, device, reason.dtype), reason)
+            cap = cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)  # which cap: found on the device
+            reason = torch.where((beta == ceiling) & (beta < torch.ceil(upper) - 1.0), cap, reason)
         reason = torch.where((beta >= torch.ceil(lower)) | ~(lower < math.inf), constant(0, device, reason.dtype), reason)
         if recipe.spike_room_log2 > 0.0 and any(bound.limit.expected for bound in bounds) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)

@@ -140,15 +140,17 @@ def _encoder() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 10)), torch.randn(4, 6, 32)
 
 
+@pytest.mark.parametrize("caps", [{}, {"max_layer_scale": 16.0, "max_total_scale": 1024.0}], ids=["uncapped", "reference-caps"])
 @pytest.mark.parametrize("build", [lambda: (torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)), _encoder], ids=["resnet18", "encoder"])
-def test_host_reads_per_iteration(build) -> None:
+def test_host_reads_per_iteration(build, caps: dict[str, float]) -> None:
     """Host reads, scalar reads by the dispatcher included, under fp16 autocast: a backward reads nothing, update or
     replay (one read per decision point before issue 33); a step once, an update's scales and decisions with the
     gradients. The second update takes the two vectors the drift's expectation computes on the host from the
-    steps' reads (``GradientDrift.expect``: CPU tensors built from host values, on any model's device)."""
+    steps' reads (``GradientDrift.expect``: CPU tensors built from host values, on any model's device). The same
+    with the reference code's caps on the local and the accumulated scales (which cap holds is found on the device)."""
     torch.manual_seed(0)
     model, x = build()
-    scaler = GradientScaler(model, update_interval=2)
+    scaler = GradientScaler(model, update_interval=2, **caps)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     backward_reads, step_reads = [], []
     for _ in range(4):  # update, replay, update, replay

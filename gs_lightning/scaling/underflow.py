@@ -337,7 +337,14 @@ def counted_rate(below: float, nonzero: float) -> float:
 @functools.lru_cache(maxsize=256)
 def constant(value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A 0-dim ``value`` on ``device``, filled in there once per (value, device, dtype); never written to.
-    (As a Python scalar, ``where`` would make it every call, and a division would multiply by a reciprocal.)"""
+    (As a Python scalar, ``where`` would make it every call, and a division would multiply by a reciprocal.)
+
+    Raises:
+        TypeError: ``value`` is a tensor: filling from it would read it to the host, and the cache would keep it by
+            identity (checked where the cache misses, so at no cost per call).
+    """
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"constant() takes a Python number, got a tensor {value!r}: use the tensor itself")
     return torch.full((), value, dtype=dtype, device=device)
 
 

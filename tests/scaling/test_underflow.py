@@ -256,3 +256,18 @@ def test_branch_scale_is_the_largest_incoming_that_fits() -> None:
     assert _branch([5, 9], 2.0**6) == 9  # strict: 2^9 · 2^6 < 2^16, but 2^10 · 2^6 would not be
     assert _branch([5, 9], 2.0**7) == 5
     assert _branch([5, 9], math.nan) == _branch([5, 9], math.inf) == _branch([5, 9], 0.0) == 9  # nothing to bound
+
+
+def test_device_arithmetic_constants_round_once_keep_dtypes_and_refuse_tensors() -> None:
+    """The decisions' constants: ``divide`` rounds once, as Python floats do; ``where_or`` keeps the values' dtype;
+    a tensor is refused (filling a constant from it would read it to the host)."""
+    denominators = torch.tensor([3.0, 7.0, 1e-300, 2.0**-1074, 6.1e-5, -0.0], dtype=torch.float64)
+    for numerator in (6.103515625e-05, 65504.0 * math.sqrt(3.0), math.log(0.1)):
+        quotients = underflow.divide(numerator, denominators)
+        assert quotients.dtype == torch.float64
+        assert quotients.tolist() == [numerator / d if d else math.copysign(math.inf, numerator) * math.copysign(1.0, d) for d in denominators.tolist()]
+    for dtype in (torch.float32, torch.float64):
+        chosen = underflow.where_or(torch.tensor([True, False]), torch.ones(2, dtype=dtype), -math.inf)
+        assert chosen.dtype == dtype and chosen.tolist() == [1.0, -math.inf]
+    with pytest.raises(TypeError, match="takes a Python number, got a tensor"):
+        underflow.constant(torch.tensor(2), torch.device("cpu"), torch.int64)

@@ -451,7 +451,10 @@ PAGES = (
          "power-of-two scale per tensor can beat; current scaling's scales are not powers of two, MX's are per "
          "block of 32). "
          "*GS update iterations*: backwards that decided the scales (the others replayed them). "
-         "Times are wall clock on the machine named, which may have been shared. Generated datasets and short "
+         "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
+         "operator passes through a Python dispatch mode, GS's own small ones too (each costs a few times what it "
+         "costs without the mode), so GS's seconds here overstate what it adds where fp16 runs natively. "
+         "Generated datasets and short "
          "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
          "runs measure."),
     Page("overhead.md", "Overhead on the backward pass", ("overhead.py",),

@@ -335,9 +335,9 @@ class NodeDecisions:
         magnitudes_ = detached(grad).float().abs()
         nonzero = magnitudes_ > 0.0
         count = nonzero.sum()
-        logs = torch.where(nonzero, magnitudes_.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
+        logs = where_or(nonzero, magnitudes_.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
         mean = logs.sum() / count.clamp_min(1)
-        variance = torch.where(nonzero, (logs - mean) ** 2, 0.0).sum() / count.clamp_min(1)
+        variance = where_or(nonzero, (logs - mean) ** 2, 0.0).sum() / count.clamp_min(1)
         grad_max = magnitude(grad_extremes)
         decided = torch.isfinite(grad_max) & (count > 0)
         log_mean, log_std = mean.double(), variance.double().clamp_min(0.0).sqrt()

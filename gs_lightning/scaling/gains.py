@@ -19,7 +19,7 @@ from gs_lightning.scaling.graph import (
     batch_norm_gains,
     saved_tensor,
 )
-from gs_lightning.scaling.underflow import finite
+from gs_lightning.scaling.underflow import finite, where_or
 
 
 def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: Mapping[int, int]) -> dict[int, int]:
@@ -124,7 +124,7 @@ def bounded_gains(found: list[tuple[int, torch.Tensor]]) -> dict[int, torch.Tens
     bounded: dict[int, torch.Tensor] = {}
     for pairs in groups.values():
         gains = torch.stack([gain for _, gain in pairs])
-        kept = torch.where((gains > 1.0) & finite(gains), gains.double(), 1.0)
+        kept = where_or((gains > 1.0) & finite(gains), gains.double(), 1.0)
         bounded.update(zip([j for j, _ in pairs], kept.unbind()))
     return bounded
 

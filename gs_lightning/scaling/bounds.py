@@ -21,7 +21,7 @@ from gs_lightning.scaling.limits import Bound, Limit, UnreadBound
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.underflow import as_float64, below_bounds, constant, finite, sufficient_log2_scale
+from gs_lightning.scaling.underflow import as_float64, below_bounds, constant, finite, highest_below, sufficient_log2_scale
 
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
@@ -195,11 +195,11 @@ class ScaleBounds:
         ceiling, _ = self._ceiling(i, alpha)
         return None if ceiling is None else as_float64(ceiling, device)
 
-    def gain_into(self, edge: Slot | None, device: torch.device) -> torch.Tensor:
+    def gain_into(self, edge: Slot | None) -> torch.Tensor | None:
         """How much a gradient sent along ``edge`` can grow in batch norms before anything bounds it again
-        (:func:`gains_after`), a 0-dim float64 tensor on ``device``, unread."""
-        gain = None if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0])
-        return as_float64(1.0 if gain is None else gain, device)
+        (:func:`gains_after`, at least 1), a 0-dim float64 tensor, unread; ``None`` where nothing makes it grow
+        (then no kernel multiplies by 1)."""
+        return None if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0])
 
     def choose(self, i: int, alpha: Exponent, lower: torch.Tensor, bounds: list[Bound], limits: torch.Tensor) -> tuple[torch.Tensor, UnreadBound]:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (log2, one per bound of
@@ -215,19 +215,20 @@ class ScaleBounds:
         values = limits - _per_bound(tuple(b.limit.exact for b in bounds), recipe.replay_headroom_log2, device)
         upper = values.amin() if bounds else as_float64(math.inf, device)
         ceiling, cap = self._ceiling(i, alpha)
-        sufficient = sufficient_log2_scale(lower)
-        beta = below_bounds(sufficient, upper, ceiling)  # choose_log2_scale, its first half kept for the spike room
+        lower_up, lower_finite, highest = torch.ceil(lower), finite(lower), highest_below(upper, device)  # each used twice
+        sufficient = sufficient_log2_scale(lower_up, lower_finite)
+        beta = below_bounds(sufficient, highest, ceiling)  # choose_log2_scale, its first half kept for the spike room
         candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
         reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
             cap = cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)  # which cap: found on the device
-            reason = torch.where((beta == ceiling) & (beta < torch.ceil(upper) - 1.0), cap, reason)
-        reason = torch.where((beta >= torch.ceil(lower)) | ~(lower < math.inf), constant(0, device, reason.dtype), reason)
+            reason = torch.where((beta == ceiling) & (beta < highest), cap, reason)
+        reason = torch.where((beta >= lower_up) | ~(lower < math.inf), constant(0, device, reason.dtype), reason)
         if recipe.spike_room_log2 > 0.0 and any(bound.limit.expected for bound in bounds) and s.lambda_lost < s.lambda_min:
             lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
             roomy = (values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)).amin()
-            with_room = torch.maximum(below_bounds(sufficient, roomy, ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
-            roomier = finite(lower) & (with_room < beta)
+            with_room = torch.maximum(below_bounds(sufficient, highest_below(roomy, device), ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
+            roomier = lower_finite & (with_room < beta)
             beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, constant(1, device, reason.dtype), reason)
         return beta, UnreadBound(candidates, reason)
 

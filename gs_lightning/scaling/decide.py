@@ -16,7 +16,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from gs_lightning.scaling.underflow import (
     gemm_sigma,
     gemm_underflow_rate,
     overflow_max_log2_scale,
+    underflow_counts,
     where_or,
 )
 
@@ -273,7 +274,7 @@ class NodeDecisions:
         maxima = {
             Bound(Limit.INCOMING_GRADIENT): grad_max,
             **{
-                Bound(Limit.INPUT_GRADIENT, k): op.accumulation_length * grad_max * operand_max[j] * self.bounds.gain_into(self.graph.edges[i][k], device)
+                Bound(Limit.INPUT_GRADIENT, k): _grown(op.accumulation_length * grad_max * operand_max[j], self.bounds.gain_into(self.graph.edges[i][k]))
                 for j, (k, op) in enumerate(operands)
             },
             **{Bound(Limit(tensor)): bound for tensor, bound in weight_stats.items()},
@@ -285,18 +286,21 @@ class NodeDecisions:
         measured = self._measured_weight_maximum(i, grad) if measures else None
         limits = overflow_max_log2_scale(torch.stack([*maxima.values(), *([] if measured is None else [measured])]), s.lambda_max)
         if weight in maxima:  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
-            relaxed, limits, w = limits[-1], limits[: len(bounds)].clone(), bounds.index(weight)
-            binds = (limits[w] < lower.clamp_min(0.0)) & (limits.amin() == limits[w])
+            w, bounded = bounds.index(weight), limits[: len(bounds)]
+            limit = bounded[w]
+            binds = (limit < lower.clamp_min(0.0)) & (bounded.amin() == limit)
             if recipe.exact_probes:
                 self.weight_binds[i] = binds
             if recipe.exact_probes and not measures:  # it stands on this update; the next one measures it
                 self.unmeasured.add(i)
             else:  # none measured (without exact probes, from an unreadable input): it binds nowhere
-                limits[w] = torch.where(binds, constant(math.inf, device, limits.dtype) if measured is None else torch.maximum(limits[w], relaxed), limits[w])
+                relaxed = constant(math.inf, device, limits.dtype) if measured is None else torch.maximum(limit, limits[-1])
+                bounded = torch.where(_one_hot(len(bounds), w, device) & binds, relaxed, bounded)
+            limits = bounded
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
         beta = where_or(decided, beta, 0.0)
         modelled = [(partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,)) for sigma, n in zip(sigmas, lengths)]
-        measured = [v.underflow_count(beta, s.lambda_min) for v in samples]
+        measured = underflow_counts(samples, beta, s.lambda_min)
         self._add(UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided), modelled, measured)
         return beta
 
@@ -366,12 +370,13 @@ class NodeDecisions:
         grad_max, sample_max = magnitude(grad_extremes), [magnitude(extremes(v)) for v in samples]
         decided = all_finite([grad_max, *sample_max])
         lower = largest([v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact], device)
-        gain = largest([self.bounds.gain_into(edge, device) for edge in self.graph.edges[i]], device, 1.0)  # whichever edge a sample left by
+        gains = [gain for edge in self.graph.edges[i] if (gain := self.bounds.gain_into(edge)) is not None]
+        gain = (gains[0] if len(gains) == 1 else largest(gains, device)) if gains else None  # whichever edge a sample left by
         bounds = [Bound(Limit.INCOMING_GRADIENT), *(Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None) for k in range(len(sample_max)))]
-        limits = overflow_max_log2_scale(torch.stack([grad_max, *(m * gain for m in sample_max)]), s.lambda_max)
+        limits = overflow_max_log2_scale(torch.stack([grad_max, *(_grown(m, gain) for m in sample_max)]), s.lambda_max)
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
         beta = where_or(decided, beta, 0.0)
-        measured = [v.underflow_count(beta, s.lambda_min) for v in exact]
+        measured = underflow_counts(exact, beta, s.lambda_min)
         self._add(UnreadLayer(self.analysis.layer_names[i], kind, beta, alpha, bound, decided), [], measured, measured_is_rate=True)
         return beta
 
@@ -408,7 +413,7 @@ class NodeDecisions:
         beta = torch.where(decided, beta, probe_scale) if maxima else beta
         for k, g in enumerate(out):
             out[k] = times_pow2(g, beta - probe_scale) if g is not None and g.is_floating_point() else g
-        measured = [ExactSample(g).underflow_count(beta - probe_scale, self.settings.lambda_min) for g in grads if g.numel()]
+        measured = underflow_counts([ExactSample(g) for g in grads if g.numel()], beta - probe_scale, self.settings.lambda_min)
         self._add(UnreadLayer(name, "opaque", beta, alpha_in, None, decided), [], measured, if_none=math.nan, measured_is_rate=True)
         return alpha_in + beta
 
@@ -442,6 +447,18 @@ class NodeDecisions:
 def largest(values: list[torch.Tensor], device: torch.device, default: float = -math.inf) -> torch.Tensor:
     """The largest of the 0-dim ``values`` (``default`` without any), float64 on ``device``."""
     return torch.stack(values).amax() if values else as_float64(default, device)
+
+
+@lru_cache(maxsize=256)
+def _one_hot(size: int, position: int, device: torch.device) -> torch.Tensor:
+    """A bool vector on ``device``, true at ``position`` only: made once per (size, position, device), never written to."""
+    return torch.arange(size, device=device) == position
+
+
+def _grown(bound: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """A float64 ``bound`` on a gradient times the ``gain`` it may still see (:meth:`ScaleBounds.gain_into
+    <gs_lightning.scaling.bounds.ScaleBounds.gain_into>`): itself where there is none."""
+    return bound if gain is None else bound * gain.to(bound.device, torch.float64)
 
 
 def _value(value: Exponent | bool, values: Mapping[torch.Tensor, float]) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from statistics import NormalDist
 
 import torch
@@ -194,17 +195,24 @@ def choose_log2_scale(
     ``ceiling`` caps the result. Floats are taken as float64 values on the CPU; the result is a 0-dim
     float64 tensor.
     """
-    return below_bounds(sufficient_log2_scale(as_float64(lower)), upper, ceiling)
+    lower = as_float64(lower)
+    return below_bounds(sufficient_log2_scale(torch.ceil(lower), finite(lower)), highest_below(upper, lower.device), ceiling)
 
 
-def sufficient_log2_scale(lower: torch.Tensor) -> torch.Tensor:
-    """The exponent :func:`choose_log2_scale` takes before any bound: ``lower`` rounded up, at least 0 (0 where not finite)."""
-    return where_or(finite(lower), torch.ceil(lower).clamp_min(0.0), 0.0)
+def sufficient_log2_scale(rounded_up: torch.Tensor, is_finite: torch.Tensor) -> torch.Tensor:
+    """The exponent :func:`choose_log2_scale` takes before any bound, from the underflow bound ``lower`` rounded up and
+    whether it is finite (parts a decision uses again): ``ceil(lower)``, at least 0 (0 where not finite)."""
+    return where_or(is_finite, rounded_up.clamp_min(0.0), 0.0)
 
 
-def below_bounds(exponent: torch.Tensor, upper: float | torch.Tensor, ceiling: int | torch.Tensor | None = None) -> torch.Tensor:
-    """``exponent`` lowered below the strict overflow bound ``upper`` (rounded down) and to ``ceiling``."""
-    exponent = torch.minimum(exponent, torch.ceil(as_float64(upper, exponent.device)) - 1.0)
+def highest_below(upper: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The largest integer exponent strictly below the overflow bound ``upper``, a 0-dim float64 tensor on ``device``."""
+    return torch.ceil(as_float64(upper, device)) - 1.0
+
+
+def below_bounds(exponent: torch.Tensor, highest: torch.Tensor, ceiling: int | torch.Tensor | None = None) -> torch.Tensor:
+    """``exponent`` lowered to ``highest`` (:func:`highest_below` an overflow bound) and to ``ceiling``."""
+    exponent = torch.minimum(exponent, highest)
     if ceiling is None:
         return exponent
     return exponent.clamp(max=ceiling) if not isinstance(ceiling, torch.Tensor) else torch.minimum(exponent, ceiling)
@@ -323,10 +331,15 @@ class ExactSample:
     def underflow_count(self, log2_scale: int | torch.Tensor, lambda_min: float) -> tuple[torch.Tensor, torch.Tensor]:
         """How many of these values fall below ``lambda_min`` at the scale ``2**log2_scale``, and how many are
         nonzero: 0-dim tensors on the device, unread (:func:`counted_rate` of them, as read, is the rate)."""
-        # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first. A 0-dim
-        # threshold is compared in the values' fp32, as a Python scalar would be.
-        threshold = lambda_min * (torch.exp2(-log2_scale) if isinstance(log2_scale, torch.Tensor) else 2.0**-log2_scale)
-        return (self._positive < threshold).sum(), self.nonzero_count
+        return underflow_counts([self], log2_scale, lambda_min)[0]
+
+
+def underflow_counts(samples: Sequence[ExactSample], log2_scale: int | torch.Tensor, lambda_min: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`ExactSample.underflow_count` of each of ``samples`` at one scale (a decision's probes), its threshold made once."""
+    # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first. A 0-dim
+    # threshold is compared in the values' fp32, as a Python scalar would be.
+    threshold = lambda_min * (torch.exp2(-log2_scale) if isinstance(log2_scale, torch.Tensor) else 2.0**-log2_scale)
+    return [((sample._positive < threshold).sum(), sample.nonzero_count) for sample in samples]
 
 
 def counted_rate(below: float, nonzero: float) -> float:

@@ -336,7 +336,8 @@ class ScaledBackwards:
         else:
             alpha_out, deferred = prepared.alpha_out, prepared.leaves.deferred
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
-            already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in deferred | prepared.leaves.exits]
+            handled = deferred | prepared.leaves.exits  # unscaled below; an inner graph's exits hand theirs on
+            already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in handled]
         with profiled("GradientScaler.unscale"):
             unscale_and_measure(unscaled, scales.drift if not prepared.path and self.recipe.measures_drift else None, run is not None, already)
             unscale_and_measure([(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False)  # not in the drift statistic, as when unscaled per edge

@@ -454,6 +454,10 @@ PAGES = (
          "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
          "operator passes through a Python dispatch mode, GS's own small ones too (each costs a few times what it "
          "costs without the mode), so GS's seconds here overstate what it adds where fp16 runs natively. "
+         "Between updates GS keeps each GEMM's operands and incoming gradient until the step (to recompute a "
+         "weight gradient that overflows); with glibc's malloc the memory the backward allocates meanwhile is "
+         "fresh and page-faults, where a GPU's caching allocator would reuse its blocks: on these small tasks that "
+         "too counts against GS's seconds. "
          "Generated datasets and short "
          "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
          "runs measure."),

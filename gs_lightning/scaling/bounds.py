@@ -244,7 +244,8 @@ class ScaleBounds:
             return total, position
         if not isinstance(total, torch.Tensor):
             return (s.layer_cap, 2) if s.layer_cap <= total else (total, position)
-        return total.clamp(max=s.layer_cap), torch.where(total >= s.layer_cap, constant(2, total.device, torch.int64), constant(position, total.device, torch.int64))
+        which = torch.where(total >= s.layer_cap, constant(2, total.device, torch.int64), constant(position, total.device, torch.int64))
+        return total.clamp(max=s.layer_cap), which
 
     def expected_maxima(self, i: int, alpha: Exponent, device: torch.device) -> dict[Bound, torch.Tensor]:
         """The largest values of the parameter gradients GEMM ``i`` computes and feeds, as expected on the batches to

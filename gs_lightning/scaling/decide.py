@@ -413,7 +413,8 @@ class NodeDecisions:
         beta = torch.where(decided, beta, probe_scale) if maxima else beta
         for k, g in enumerate(out):
             out[k] = times_pow2(g, beta - probe_scale) if g is not None and g.is_floating_point() else g
-        measured = underflow_counts([ExactSample(g) for g in grads if g.numel()], beta - probe_scale, self.settings.lambda_min)
+        exact = [ExactSample(g) for g in grads if g.numel()]
+        measured = underflow_counts(exact, beta - probe_scale, self.settings.lambda_min)
         self._add(UnreadLayer(name, "opaque", beta, alpha_in, None, decided), [], measured, if_none=math.nan, measured_is_rate=True)
         return alpha_in + beta
 

@@ -21,6 +21,7 @@ from gs_lightning.scaling.bounds import ScaleBounds, Settings, decision_nodes
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions
 from gs_lightning.scaling.gradient_stats import Extremes, extremes
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.modes import outside_low_precision_modes
 from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, as_read, edge_shift, shift, times_pow2
 from gs_lightning.scaling.profiled import profiled
 
@@ -149,6 +150,7 @@ class UpdateRun:
         self.decisions.unread_rates += [replace(rates, index=rates.index + offset) for rates in inner.decisions.unread_rates]
 
     # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
+    @outside_low_precision_modes
     def _pre(self, i: int, grad_outputs: tuple) -> tuple:
         a = self.analysis
         present = [(s, g) for s, g in enumerate(grad_outputs) if g is not None]
@@ -185,6 +187,7 @@ class UpdateRun:
             return 0
 
     # Post-hook: unscale what reaches a leaf, gather what meets at a branch, pass the rest on.
+    @outside_low_precision_modes
     def _post(self, i: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
         alpha = self._node_scale(i)
         out = list(grad_inputs)

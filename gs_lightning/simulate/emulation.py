@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Self
 
+from gs_lightning.scaling.modes import LowPrecisionOnly
 from gs_lightning.simulate.grad_scaling import GradScaling, pow2_oracle_underflow
 from gs_lightning.simulate.rounding import EMULATED_DTYPES, GRAD_DTYPES, round_to
 
@@ -121,6 +122,10 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
     entering is cheap and nesting is harmless (the innermost wins). The mode is thread-local, and
     autograd carries it into the threads that run a backward. The same instance may be entered
     from several places; its ``grad_scaling`` and ``underflow`` state is shared.
+
+    :class:`~gs_lightning.GradientScaler`'s update hooks run outside the mode
+    (:class:`~gs_lightning.scaling.modes.LowPrecisionOnly`): their statistics and probes are fp32, which
+    the mode would leave as they are, at the cost of its Python dispatch on each operator.
 
     Args:
         dtype: The compute format to emulate: ``torch.float16`` (or ``torch.bfloat16``).
@@ -236,7 +241,7 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         return grad_input, grad_weight, grad_bias
 
 
-class _EmulationMode(TorchDispatchMode):
+class _EmulationMode(LowPrecisionOnly, TorchDispatchMode):  # GradientScaler's update statistics (fp32) run outside it
     def __init__(self, spec: emulate) -> None:
         super().__init__()
         self.spec = spec

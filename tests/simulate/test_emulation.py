@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gs_lightning import GradientScaler
 from gs_lightning.analysis.fidelity import FidelityProbe
 from gs_lightning.models import SegNetBasic
 from gs_lightning.simulate import DelayedScaling, UnderflowMeter, emulate, round_to
+from gs_lightning.simulate.emulation import _EmulationMode
 from gs_lightning.simulate.methods import (
     DynamicLossScale,
     FixedLossScale,
@@ -281,3 +284,53 @@ def test_gradient_scaler_backward_runs_under_fp8_emulation() -> None:
             loss = loss_fn(model)
         loss.backward()
     assert scaler.scales() and gs_underflow < 0.01 < max(meter.collect())
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.operators += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_update_statistics_run_outside_the_emulation_but_a_users_mode_sees_them(monkeypatch) -> None:
+    """GS's update hooks compute fp32 statistics the emulation leaves as they are: they run outside its mode
+    (each operator would pay its Python dispatch), with the same decisions; a mode entered inside it still sees them."""
+    seen = [0]
+    dispatch = _EmulationMode.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+        seen[0] += 1
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(_EmulationMode, "__torch_dispatch__", counted)
+    model, loss_fn = _plain_cnn()
+    scaler = GradientScaler(model, update_interval=1)  # every backward decides
+
+    def update(user: _Counting | None) -> tuple[int, list]:
+        model.zero_grad(set_to_none=True)
+        with emulate(torch.float16):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model)
+            seen[0] = 0
+            with user if user is not None else contextlib.nullcontext():
+                scaler.backward(loss)
+        scaler.update()
+        return seen[0], scaler.layers()
+
+    update(None)
+    alone, layers = update(None)
+    user = _Counting()
+    beneath_user, layers_seen = update(user)
+    assert layers_seen == layers
+    assert user.operators == beneath_user > 4 * alone  # the decisions' operators: seen by the user's mode only
+    model.zero_grad(set_to_none=True)
+    with emulate(torch.float16):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model)
+        seen[0] = 0
+        loss.backward()
+    assert alone < 2 * seen[0]  # the model's own backward, the loss scale and the unscale after it

@@ -371,7 +371,7 @@ class NodeDecisions:
         decided = all_finite([grad_max, *sample_max])
         lower = largest([v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact], device)
         gains = [gain for edge in self.graph.edges[i] if (gain := self.bounds.gain_into(edge)) is not None]
-        gain = (gains[0] if len(gains) == 1 else largest(gains, device)) if gains else None  # whichever edge a sample left by
+        gain = largest(gains, device) if gains else None  # whichever edge a sample left by
         bounds = [Bound(Limit.INCOMING_GRADIENT), *(Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None) for k in range(len(sample_max)))]
         limits = overflow_max_log2_scale(torch.stack([grad_max, *(_grown(m, gain) for m in sample_max)]), s.lambda_max)
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
@@ -446,7 +446,9 @@ class NodeDecisions:
 
 
 def largest(values: list[torch.Tensor], device: torch.device, default: float = -math.inf) -> torch.Tensor:
-    """The largest of the 0-dim ``values`` (``default`` without any), float64 on ``device``."""
+    """The largest of the 0-dim float64 ``values`` (``default`` without any, on ``device``); a single one as it is."""
+    if len(values) == 1:
+        return values[0]
     return torch.stack(values).amax() if values else as_float64(default, device)
 
 

@@ -16,8 +16,9 @@ README's ``results`` markers), from every recorded run, with no hand-edited numb
     python bench/docs_results.py --check    # exit 1 if a page differs from what the data gives
 
 A run's page follows from its command's script: ``bench/compare_training.py`` and
-``bench/ssd_finetune.py`` (training), ``bench/overhead.py`` (overhead), ``bench/update_cost.py``
-(update cost), ``bench/fidelity.py`` (fidelity), ``train.py`` (the demo's printed output).
+``bench/ssd_finetune.py`` (training), ``bench/overhead.py`` (overhead), ``bench/memory.py`` (memory),
+``bench/update_cost.py`` (update cost), ``bench/fidelity.py`` (fidelity), ``train.py`` (the demo's
+printed output).
 """
 
 from __future__ import annotations
@@ -353,6 +354,21 @@ def overhead_section(run: Recorded) -> list[str]:
     return lines
 
 
+def memory_section(run: Recorded) -> list[str]:
+    data = run.data
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
+    lines += markdown_table(data["rows"])
+    rows = {row["method"]: row for row in data["rows"]}
+    kept, not_kept = rows.get("GS between updates"), rows.get("GS between updates, no fp32 recompute")
+    if kept and not_kept:
+        lines += [f"Kept until the step for the fp32 recompute of overflowed weight gradients: "
+                  f"{kept['held after backward MiB'] - not_kept['held after backward MiB']:.1f} MiB, "
+                  f"{kept['held after backward MiB'] / kept['after forward MiB']:.0%} of what the forward left allocated; "
+                  f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it, "
+                  f"{not_kept['peak / plain']:.2f}× without.", ""]
+    return lines
+
+
 def update_cost_rows(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per model and per family, as the bench prints them."""
     models, families = [], {}
@@ -415,6 +431,7 @@ SECTIONS: dict[str, Callable[[Recorded], list[str]]] = {
     "compare_training.py": training_section,
     "ssd_finetune.py": training_section,
     "overhead.py": overhead_section,
+    "memory.py": memory_section,
     "update_cost.py": update_cost_section,
     "fidelity.py": fidelity_section,
     "train.py": demo_section,
@@ -466,6 +483,14 @@ PAGES = (
          "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
          "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
          "operations each dispatches (on a GPU, each is a kernel launch)."),
+    Page("memory.md", "Memory against a plain backward", ("memory.py",),
+         "`bench/memory.py` runs one iteration per method from `zero_grad(set_to_none=True)`, the same model and "
+         "batch for each, and takes the memory allocated above the iteration's start: after the forward, at the "
+         "peak of the backward and the step's finiteness check, and still held after the backward (until the "
+         "step). Between updates GS keeps each GEMM's saved operand and incoming gradient until the step, to "
+         "recompute in fp32 a weight gradient that overflowed instead of skipping the step "
+         "(`recompute_weight_gradients`, on by default; see [How it works](../how-it-works.md)); "
+         "`recompute_weight_gradients=False` keeps nothing."),
     Page("update-cost.md", "Update iterations on a model zoo", ("update_cost.py",),
          "`bench/update_cost.py` builds third-party models from their configs (torchvision classifiers, timm, "
          "Hugging Face transformers, packed RNNs; timm and transformers when installed), times a plain backward, "
@@ -507,6 +532,11 @@ def headline(runs: list[Recorded]) -> list[str]:
             what = f"{settings['arch']} {timed.removesuffix(' ms')} on {settings['device']}" + (", torch.compile" if settings.get("torch.compile backend") else "")
             rows.append((f"{what}: time against a plain backward",
                          "; ".join(f"{r['method']} {r['ratio vs plain']:.2f}×" for r in run.data["rows"][1:]), "overhead.md"))
+        elif run.script == "memory.py":
+            settings = run.data["settings"]
+            what = f"{settings['arch']} batch {settings['batch size']} at {settings['image size']}² on {settings['device']}"
+            rows.append((f"{what}: peak memory of an iteration against a plain backward's",
+                         "; ".join(f"{r['method']} {r['peak / plain']:.2f}×" for r in run.data["rows"][1:]), "memory.md"))
         elif run.script == "update_cost.py":
             _, families = update_cost_rows(run.data)
             rows.append((f"GS update iteration against a plain backward, model zoo ({run.provenance['title']}), median per family",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a session with an NVIDIA GPU (written for one H200 and ~15 minutes of
 # device time): GPU and software versions, gradient fidelity at realistic sizes, GS's backward
-# overhead on ResNet-50, host reads and CUDA synchronisations per iteration (update, replay, step) on
+# overhead and peak memory on ResNet-50, host reads and CUDA synchronisations per iteration (update, replay, step) on
 # ResNet-18 and a Transformer encoder, full-step times of GS vs GradScaler at training batch sizes (ResNet-50
 # batch 64, a BERT-base-shaped Transformer encoder batch 32, SegNet-basic, SSD512), and what an
 # update iteration costs against a plain backward on the torchvision and RNN zoo (issue 19, item 5),
@@ -10,7 +10,7 @@
 #   bench/gpu_check.sh        # from the repository root, with `python` the project's env
 #
 # Every stage has a timeout so that one hang cannot eat the budget; the timeouts add up to
-# 12.4 minutes. A failing stage does not stop the later ones: failures are listed at the end
+# 13.1 minutes. A failing stage does not stop the later ones: failures are listed at the end
 # and make the exit status nonzero. Everything is also written to bench/gpu_check.log.
 set -euo pipefail
 
@@ -116,6 +116,7 @@ main() {
     stage "versions" 40 bash -c versions
     stage "fidelity" 180 python bench/fidelity.py --device cuda --size realistic
     stage "overhead" 120 python bench/overhead.py --device cuda --autocast --arch resnet50 --batch-size 256 --image-size 224 --rounds 10
+    stage "memory" 40 python bench/memory.py --device cuda --autocast --arch resnet50 --batch-size 64 --image-size 224
     stage "host_reads" 60 python bench/host_reads.py --device cuda --batch-size 64
     stage "step_time" 150 python bench/step_time.py --device cuda --size realistic --models resnet50 transformer segnet ssd512 --rounds 10
     stage "update_cost" 90 python bench/update_cost.py --device cuda --families torchvision rnn --image-size 224 --batch-scale 16 --rounds 3

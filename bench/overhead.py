@@ -73,6 +73,20 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def grad_scaler_check(amp: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """What ``GradScaler`` does between the backward and the optimizer's step: its fused unscale and inf check,
+    and the read of the flags that ``step()`` synchronises on; ``update`` resets its per-optimizer state, as a step would."""
+    amp.unscale_(optimizer)
+    sum(flag.item() for flag in amp._found_inf_per_device(optimizer).values())
+    amp.update()
+
+
+def gradient_scaling_check(scaler: GradientScaler) -> None:
+    """What ``GradientScaler`` does between the backward and the optimizer's step: the step's read of the gradients."""
+    scaler.found_inf  # noqa: B018 - the step's finiteness check
+    scaler.update()
+
+
 def count_ops(fn: Callable[[], None]) -> int:
     """Number of aten operations ``fn`` dispatches."""
     with _OpCounter() as counter:
@@ -185,14 +199,11 @@ def main() -> None:
 
     def grad_scaler(value: torch.Tensor) -> None:
         amp.scale(value).backward()
-        amp.unscale_(optimizer)  # fused unscale and inf check
-        sum(flag.item() for flag in amp._found_inf_per_device(optimizer).values())  # step()'s sync
-        amp.update()  # resets the per-optimizer unscale state, as a real step would
+        grad_scaler_check(amp, optimizer)
 
     def gradient_scaling(scaler: GradientScaler, value: torch.Tensor) -> None:
         scaler.backward(value)
-        scaler.found_inf  # noqa: B018 - the step's finiteness check
-        scaler.update()
+        gradient_scaling_check(scaler)
 
     methods: dict[str, Callable[[torch.Tensor], None]] = {
         "plain backward": lambda value: value.backward(),

@@ -166,7 +166,7 @@ def load_runs(data: Path = DATA) -> list[Recorded]:
 
 
 def number(value: Any, key: str = "") -> str:
-    """A cell, formatted by what its column holds (``key``): underflow in percent, times and counts
+    """A cell, formatted by what its column holds (``key``): underflow in percent, times, sizes and counts
     with one decimal, ratios with two, anything else with 3 significant digits."""
     if value is None or value == "":
         return "—"
@@ -179,7 +179,7 @@ def number(value: Any, key: str = "") -> str:
             return str(value)
         if "underflow" in key:
             return f"{100 * value:.3f}%" if value < 0.01 else f"{100 * value:.2f}%"
-        if re.search(r"\b(ms|s / run|seconds|skipped|iterations|steps)\b", key):
+        if re.search(r"\b(ms|MiB|s / run|seconds|skipped|iterations|steps)\b", key):
             return f"{value:+.1f}" if key.startswith("added") else f"{value:.1f}"
         if re.search(r"\bratio\b| / ", key):
             return f"{value:.2f}"
@@ -361,9 +361,9 @@ def memory_section(run: Recorded) -> list[str]:
     rows = {row["method"]: row for row in data["rows"]}
     kept, not_kept = rows.get("GS between updates"), rows.get("GS between updates, no fp32 recompute")
     if kept and not_kept:
-        lines += [f"Kept until the step for the fp32 recompute of overflowed weight gradients: "
-                  f"{kept['held after backward MiB'] - not_kept['held after backward MiB']:.1f} MiB, "
-                  f"{kept['held after backward MiB'] / kept['after forward MiB']:.0%} of what the forward left allocated; "
+        held = kept["held after backward MiB"] - not_kept["held after backward MiB"]
+        lines += [f"Kept until the step for the fp32 recompute of overflowed weight gradients: {held:.1f} MiB, "
+                  f"{held / kept['after forward MiB']:.0%} of what the forward left allocated; "
                   f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it, "
                   f"{not_kept['peak / plain']:.2f}× without.", ""]
     return lines

@@ -362,13 +362,10 @@ def memory_section(run: Recorded) -> list[str]:
     kept, not_kept = rows.get("GS between updates"), rows.get("GS between updates, no fp32 recompute")
     if kept and not_kept:
         held = kept["held after backward MiB"] - not_kept["held after backward MiB"]
-        steady = rows.get("GS between updates, spikes expected")
-        lines += [f"Kept until the step for the fp32 recompute of overflowed weight gradients before any spike is expected: "
-                  f"{held:.1f} MiB, {held / kept['after forward MiB']:.0%} of what the forward left allocated; "
+        lines += [f"Kept until the step for the fp32 recompute of overflowed weight gradients: {held:.1f} MiB, "
+                  f"{held / kept['after forward MiB']:.0%} of what the forward left allocated; "
                   f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it, "
-                  f"{not_kept['peak / plain']:.2f}× without"
-                  + (f"; once spikes are expected, {steady['GEMMs kept']} GEMMs keep theirs and the peak is "
-                     f"{steady['peak / plain']:.2f}×." if steady else "."), ""]
+                  f"{not_kept['peak / plain']:.2f}× without.", ""]
     return lines
 
 
@@ -490,11 +487,10 @@ PAGES = (
          "`bench/memory.py` runs one iteration per method from `zero_grad(set_to_none=True)`, the same model and "
          "batch for each, and takes the memory allocated above the iteration's start: after the forward, at the "
          "peak of the backward and the step's finiteness check, and still held after the backward (until the "
-         "step). Between updates GS keeps a GEMM's saved operand and incoming gradient until the step, to "
+         "step). Between updates GS keeps each GEMM's saved operand and incoming gradient until the step, to "
          "recompute in fp32 a weight gradient that overflowed instead of skipping the step "
-         "(`recompute_weight_gradients`, on by default; see [How it works](../how-it-works.md)): every GEMM's until "
-         "the gradients' spikes are expected, then those whose scale a spike as large as expected would overflow "
-         "(*GEMMs kept*). `recompute_weight_gradients=False` keeps nothing."),
+         "(`recompute_weight_gradients`, on by default; see [How it works](../how-it-works.md)); "
+         "`recompute_weight_gradients=False` keeps nothing."),
     Page("update-cost.md", "Update iterations on a model zoo", ("update_cost.py",),
          "`bench/update_cost.py` builds third-party models from their configs (torchvision classifiers, timm, "
          "Hugging Face transformers, packed RNNs; timm and transformers when installed), times a plain backward, "

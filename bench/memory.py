@@ -6,16 +6,12 @@ warm-up iterations of its own), and the bytes allocated above the iteration's st
 * after the forward: the activations the backward will use (the same for every method);
 * peak: the most allocated at once during the backward and the step's finiteness check;
 * held after the backward: what stays allocated until the step. ``.grad`` for every method and, between
-  GS updates, the saved operand and incoming gradient of each GEMM the replay keeps them for, so that a
-  weight gradient that overflows can be recomputed in fp32 at the step (``recompute_weight_gradients``,
-  on by default): every recomputable GEMM until the gradients' spikes are expected, then those whose
-  scale a spike as large as expected would overflow. The forward's activations outlive the backward
-  where they are kept.
+  GS updates, each GEMM's saved operand and incoming gradient, which the replay keeps so that a weight
+  gradient that overflows can be recomputed in fp32 at the step
+  (``recompute_weight_gradients``, on by default): the forward's activations then outlive the backward.
 
 Methods, as in ``bench/overhead.py``: a plain backward, ``torch.amp.GradScaler``, a GS update iteration,
-GS between updates (after the first update: no spike expected yet), GS between updates once spikes are
-expected (an update after a few steps' readings; the same batch every step here, so no spikes), and GS
-between updates with ``recompute_weight_gradients=False``. ``GEMMs kept``: how many the replay kept.
+GS between updates, and GS between updates with ``recompute_weight_gradients=False``.
 
 On a CPU there are no allocator statistics: the bytes in use come from glibc's ``mallinfo2`` (Linux,
 glibc 2.33 or newer; whoever allocated them), sampled after every aten operation, so a peak inside one
@@ -108,13 +104,11 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class Method:
-    """A backward, then the step's finiteness check; ``scaler`` is the GradientScaler it runs, if any, and
-    ``warmup`` how many iterations run before the one measured."""
+    """A backward, then the step's finiteness check; ``scaler`` is the GradientScaler it runs, if any."""
 
     backward: Callable[[torch.Tensor], None]
     check: Callable[[], None]
     scaler: GradientScaler | None = None
-    warmup: int = 2
 
 
 def iteration_memory(memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method) -> dict[str, float]:
@@ -129,19 +123,16 @@ def iteration_memory(memory: DeviceMemory, model: torch.nn.Module, loss: Callabl
     def backward_and_check() -> None:
         method.backward(value)
         held.append(memory.in_use())
-        kept.append(method.scaler._read.recompute.held if method.scaler is not None else None)
         method.check()
 
-    kept: list[int | None] = []
     peak = memory.peak_of(backward_and_check)
-    return {"after forward MiB": (after_forward - start) / MIB, "peak MiB": (peak - start) / MIB,
-            "held after backward MiB": (held[0] - start) / MIB, "GEMMs kept": kept[0]}
+    return {"after forward MiB": (after_forward - start) / MIB, "peak MiB": (peak - start) / MIB, "held after backward MiB": (held[0] - start) / MIB}
 
 
-def measure(memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method, replay: bool) -> dict[str, float]:
-    """:func:`iteration_memory` after ``method.warmup`` iterations; for a GS method, of an iteration that
+def measure(memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method, replay: bool, warmup: int = 2) -> dict[str, float]:
+    """:func:`iteration_memory` after ``warmup`` iterations; for a GS method, of an iteration that
     replayed the scales (``replay``) or updated them, retried where the drift made a replay update."""
-    for _ in range(method.warmup):
+    for _ in range(warmup):
         iteration_memory(memory, model, loss, method)
     for _ in range(3):
         updates = method.scaler.update_iterations if method.scaler is not None else 0
@@ -175,9 +166,9 @@ def main() -> None:
         with torch.autocast(device.type, dtype=torch.float16, enabled=args.autocast):
             return F.cross_entropy(model(x), y)
 
-    def gradient_scaling(warmup: int = 2, **recipe_fields: object) -> Method:
+    def gradient_scaling(**recipe_fields: object) -> Method:
         scaler = GradientScaler(model, **recipe_fields)
-        return Method(scaler.backward, partial(gradient_scaling_check, scaler), scaler, warmup)
+        return Method(scaler.backward, partial(gradient_scaling_check, scaler), scaler)
 
     amp = torch.amp.GradScaler(device.type)
     methods = {  # name -> (method, whether its measured iteration replays the scales)
@@ -185,8 +176,6 @@ def main() -> None:
         "GradScaler": (Method(lambda value: amp.scale(value).backward(), partial(grad_scaler_check, amp, optimizer)), False),
         "GS update iteration": (gradient_scaling(update_interval=1), False),
         "GS between updates": (gradient_scaling(update_interval=10**9), True),
-        # updates on iterations 1 and 5, the second with four steps' readings: the measured 7th replays its scales
-        "GS between updates, spikes expected": (gradient_scaling(6, update_interval=4), True),
         "GS between updates, no fp32 recompute": (gradient_scaling(update_interval=10**9, recompute_weight_gradients=False), True),
     }
     rows = []
@@ -197,12 +186,11 @@ def main() -> None:
 
     where = f"{device.type}" + (", fp16 autocast" if args.autocast else ", fp32")
     print(f"\n{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, {where}: MiB above the iteration's start\n")
-    print("| method | after forward MiB | peak MiB | held after backward MiB | GEMMs kept | peak / plain |")
-    print("|---|---|---|---|---|---|")
+    print("| method | after forward MiB | peak MiB | held after backward MiB | peak / plain |")
+    print("|---|---|---|---|---|")
     for row in rows:
-        kept = "—" if row["GEMMs kept"] is None else row["GEMMs kept"]
         print(f"| {row['method']} | {row['after forward MiB']:.1f} | {row['peak MiB']:.1f} | {row['held after backward MiB']:.1f} "
-              f"| {kept} | {row['peak / plain']:.3f} |")
+              f"| {row['peak / plain']:.3f} |")
     if args.json:
         settings = {"arch": args.arch, "batch size": args.batch_size, "image size": args.image_size, "device": device.type,
                     "threads": args.threads, "autocast fp16": args.autocast, "torch": torch.__version__,

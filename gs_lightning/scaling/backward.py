@@ -225,7 +225,7 @@ class ScaledBackwards:
         if not path:  # after the replay's own hooks: what is kept is what the nodes use
             self.read.recompute.clear()
             self.read.recompute_graph = scales
-            if run is None and plan.kept_for_recompute:
+            if run is None and plan.recomputable:
                 prepared.handles += self.read.recompute.register(graph, analysis, plan, leaves.deferred)
         for c in sorted(analysis.reentrant):  # after the run's own pre-hook, which merges c's incoming scales
             prepared.handles.append(graph.nodes[c].register_prehook(partial(self._enter_checkpoint, prepared, c)))

@@ -98,9 +98,6 @@ class ScaleBounds:
     Attributes:
         expected: GEMM node -> the largest value its parameter gradients are expected to reach.
         recomputable: GEMMs whose weight gradients the replays recompute in fp32 if they overflow.
-        spike_totals: Such a GEMM -> the highest accumulated scale that keeps its parameter gradients'
-            expected spikes below λmax (where spikes are expected): :attr:`ScalePlan.kept_for_recompute
-            <gs_lightning.scaling.plan.ScalePlan.kept_for_recompute>`.
         fed_maxima: Such a GEMM -> the expected maxima of the parameter gradients it feeds.
         kept_downstream: Node -> the highest accumulated scale any gradient it sends on is used at.
     """
@@ -108,7 +105,6 @@ class ScaleBounds:
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, leaves: LeafTargets) -> None:
         self.graph, self.analysis, self.settings, self.leaves = graph, analysis, settings, leaves
         self.recomputable: set[int] = set()
-        self.spike_totals: dict[int, int] = {}
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
         self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
@@ -136,7 +132,6 @@ class ScaleBounds:
                 self.recomputable.add(i)
             if i in self.recomputable and expected > 0.0 and level > 0.0:
                 maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
-                self.spike_totals[i] = expected_total(expected, self.settings.lambda_max, self.expected_margin())
                 fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i)), default=0.0)
                 if fed > 0.0:
                     self.fed_maxima[i] = fed

@@ -9,7 +9,6 @@ gradients' device (:data:`Exponent`) until the step's read; a plan holds Python 
 
 from __future__ import annotations
 
-import functools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -176,9 +175,7 @@ class ScalePlan:
     """Every scale decided on the last update iteration, for one graph structure.
 
     ``recomputable``: the GEMM nodes whose parameter gradients the replays can recompute if they
-    overflow, keeping their operands until the step (:mod:`~gs_lightning.scaling.recompute`);
-    ``spike_totals``: for those whose parameter gradients' spikes were expected, the highest accumulated
-    scale that keeps the spikes below λmax. The replays keep operands only where needed: :attr:`kept_for_recompute`.
+    overflow, keeping their operands until the step (:mod:`~gs_lightning.scaling.recompute`).
     An update leaves its exponents on the device: ``settle`` reads them (with the step's read, or
     as :attr:`alpha_out` or :attr:`slot_alpha` is first asked for), after which they are ints.
     """
@@ -188,7 +185,6 @@ class ScalePlan:
     decided_alpha_out: dict[int, Exponent]
     decided_slot_alpha: dict[Slot, Exponent]
     recomputable: frozenset[int] = frozenset()
-    spike_totals: Mapping[int, int] = field(default_factory=dict)
     settle: Callable[[], None] | None = field(default=None, repr=False)  # reads the update that decided it, until it did
     _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(default_factory=dict, repr=False)
     _shared: dict[frozenset[int], tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
@@ -204,16 +200,6 @@ class ScalePlan:
         """(node, slot) -> the scale of the gradient arriving there (read first as :attr:`alpha_out`)."""
         self._settled()
         return self.decided_slot_alpha
-
-    @functools.cached_property
-    def kept_for_recompute(self) -> frozenset[int]:
-        """The recomputable GEMMs whose operands the replays keep: those whose scale a spike as large as expected
-        would overflow (:attr:`ScalingRecipe.recomputed_spike_share <gs_lightning.scaling.recipe.ScalingRecipe.recomputed_spike_share>`
-        raised them there), and those with no expected spikes yet. Elsewhere a weight gradient that overflows is
-        larger than any expected, and its step is skipped; keeping nothing there spares the memory of the forward's
-        activations and incoming gradients until the step."""
-        alpha = self.alpha_out
-        return frozenset(i for i in self.recomputable if i not in self.spike_totals or alpha.get(i, 0) > self.spike_totals[i])
 
     def _settled(self) -> None:
         if self.settle is not None:
@@ -297,7 +283,6 @@ class ScalePlan:
             "alpha_out": sorted(self.alpha_out.items()),
             "slot_alpha": sorted((j, s, a) for (j, s), a in self.slot_alpha.items()),
             "recomputable": sorted(self.recomputable),
-            "spike_totals": sorted(self.spike_totals.items()),
         }
 
     @classmethod
@@ -309,5 +294,4 @@ class ScalePlan:
             decided_alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
             decided_slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
             recomputable=frozenset(int(i) for i in state.get("recomputable", [])),
-            spike_totals={int(i): int(total) for i, total in state.get("spike_totals", [])},
         )

@@ -4,15 +4,11 @@ A GEMM's weight gradient sums over the whole batch and every position; on a conv
 largest value jumps by 2^5-2^10 on the batches with a few hard examples.
 A scale kept below those spikes costs what the GEMM sends on, which carries the same scale: its
 small values underflow (ResNet-8 with e5m2 gradients lost 0.10-0.13% of its GEMM gradients that
-way). So an update bounds a GEMM whose parameter gradients can be recomputed by the level of its
-weight gradients and only a share of their spikes
-(:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.recomputed_spike_share`), and the replays keep, for
-each such GEMM whose scale a spike as large as expected would then overflow (and for each one while no
-spike is expected yet), the incoming gradient as the node used it and the operand it saved
-(references, nothing copied; released at the step): the forward's activations outlive the backward
-where they are kept, nowhere else (:attr:`ScalePlan.kept_for_recompute
-<gs_lightning.scaling.plan.ScalePlan.kept_for_recompute>`). When a step finds
-non-finite gradients and each is a parameter gradient of a GEMM that kept them and received a finite gradient
+way). So the replays keep, for every GEMM whose parameter gradients can be recomputed, the incoming
+gradient as the node used it and the operand it saved (references, nothing copied; released at the
+step), and an update bounds such a GEMM by the level of its weight gradients and only a share of
+their spikes (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.recomputed_spike_share`). When a step finds
+non-finite gradients and each is a parameter gradient of such a GEMM that received a finite gradient
 and whose value at the scale it carried exceeds λmax (it overflowed there, by itself, not in user
 code that edited ``.grad``), each is recomputed in fp32 from what was kept, at its true scale,
 and the step goes on; anything else (a gradient computed from a non-finite one, anywhere) skips it
@@ -182,7 +178,7 @@ class WeightGradRecompute:
         if cached is not None and cached[0] is plan:
             return cached[1]
         targets = []
-        for i in sorted(plan.kept_for_recompute):
+        for i in sorted(plan.recomputable):
             parameters = _parameters(graph, analysis, i, deferred)
             if parameters is not None:
                 targets.append((i, parameters, _operand_names(graph, i, parameters)))

@@ -131,10 +131,7 @@ class UpdateRun:
 
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update (left on the device until read: :meth:`ScalePlan.read_in`)."""
-        return ScalePlan(
-            tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha),
-            frozenset(self.bounds.recomputable), dict(self.bounds.spike_totals),
-        )
+        return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha), frozenset(self.bounds.recomputable))
 
     def absorb(self, inner: UpdateRun) -> None:
         """Take over what the run of a reentrant checkpoint's inner graph decided, in backward order.

@@ -154,6 +154,7 @@ class Run:
     grads: str | None = None  # the method's gradient-format column (Method.grads)
     label: str | None = None  # the method's name in the table (Method.label)
     grad_rounding: str | None = None  # emulated: "output" (GEMM outputs cast) or "entering" (∇Y cast); else None
+    recomputed_steps: int | None = None  # GS: steps taken after recomputing an overflowed weight gradient in fp32
 
 
 def train(
@@ -206,7 +207,7 @@ def train(
     metric = task.evaluate(model)
     return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None,
                seconds, losses, getattr(trainer, "update_iterations", None), statistics.fmean(oracle) if oracle else None,
-               method.grads, method.label, method.grad_rounding if method.emulated else None)
+               method.grads, method.label, method.grad_rounding if method.emulated else None, getattr(trainer, "recomputed_steps", None))
 
 
 class TensorUnderflowMeter(UnderflowMeter):
@@ -327,9 +328,9 @@ def table(runs: list[Run]) -> str:
     """The markdown table: one row per (task, method), seeds aggregated."""
     metric_of = {r.task: r.metric_name for r in runs}
     lines = [
-        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | gradient underflow "
-        "| per-tensor oracle | GS update iterations | s / run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GS recomputed steps "
+        "| gradient underflow | per-tensor oracle | GS update iterations | s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task in dict.fromkeys(r.task for r in runs):
         for key in dict.fromkeys(r.method for r in runs if r.task == task):
@@ -338,10 +339,12 @@ def table(runs: list[Run]) -> str:
             under = [r.underflow for r in rs if r.underflow is not None]
             oracle = [r.oracle_underflow for r in rs if r.oracle_underflow is not None]
             updates = [r.update_iterations for r in rs if r.update_iterations is not None]
+            recomputed = [r.recomputed_steps for r in rs if r.recomputed_steps is not None]
             lines.append(
                 f"| {task} | {method.grads} | {method.label} | {metric_of[task]} {_mean_std([r.metric for r in rs])} "
                 f"| {_mean_std([_final_loss(r) for r in rs])} "
                 f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} "
+                f"| {f'{statistics.fmean(recomputed):.1f}' if recomputed else '—'} "
                 f"| {_percent(under)} | {_percent(oracle)} "
                 f"| {f'{statistics.fmean(updates):.1f}' if updates else '—'} "
                 f"| {statistics.fmean(r.seconds for r in rs):.1f} |"

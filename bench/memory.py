@@ -14,8 +14,9 @@ Methods, as in ``bench/overhead.py``: a plain backward, ``torch.amp.GradScaler``
 GS between updates, and GS between updates with ``recompute_weight_gradients=False``.
 
 On a CPU there are no allocator statistics: the bytes in use come from glibc's ``mallinfo2`` (Linux,
-glibc 2.33 or newer; whoever allocated them), sampled after every aten operation, so a peak inside one
-operation (a convolution's workspace) is missed, alike for every method. On CUDA they are
+glibc 2.33 or newer): mmap'ed blocks, and the main arena's in-use bytes, where the thread that runs the
+forward and the (CPU) backward allocates; whoever allocated them. They are sampled after every aten
+operation, so a peak inside one operation (a convolution's workspace) is missed, alike for every method. On CUDA they are
 ``torch.cuda.memory_allocated`` and ``max_memory_allocated``.
 
     python bench/memory.py                          # CPU, ResNet-50, batch 16 at 128x128, fp32

@@ -280,7 +280,8 @@ def _mean_std(values: list[float]) -> str:
 def _columns_named(row: dict[str, Any]) -> dict[str, str]:
     """Column titles readers know: the bench's field names made readable."""
     names = {"skipped_steps": "skipped steps", "underflow": "GEMM-gradient underflow", "seconds": "s / run",
-             "update_iterations": "GS update iterations", "oracle_underflow": "oracle underflow"}
+             "update_iterations": "GS update iterations", "oracle_underflow": "oracle underflow",
+             "recomputed_steps": "GS recomputed steps"}
     return {k: names.get(k, k.replace("_", " ")) for k in row}
 
 
@@ -468,6 +469,9 @@ PAGES = (
          "power-of-two scale per tensor can beat; current scaling's scales are not powers of two, MX's are per "
          "block of 32). "
          "*GS update iterations*: backwards that decided the scales (the others replayed them). "
+         "*GS recomputed steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the "
+         "operands the replay kept (what that memory buys: [Memory](memory.md)); without it they would have been "
+         "skipped. "
          "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
          "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
          "without the mode); GS's update statistics are fp32 and run outside it. "

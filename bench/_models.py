@@ -72,15 +72,36 @@ CONFIGS: dict[str, dict[Size, Config]] = {
 }
 MODELS: tuple[str, ...] = tuple(CONFIGS)
 TITLES = {
-    "resnet18": "ResNet-18", "vgg16": "VGG-16", "ssd300": "SSD300", "ssd512": "SSD512", "segnet": "SegNet-basic",
-    "resnet50": "ResNet-50", "transformer": "Transformer encoder",
+    "resnet18": "ResNet-18",
+    "vgg16": "VGG-16",
+    "ssd300": "SSD300",
+    "ssd512": "SSD512",
+    "segnet": "SegNet-basic",
+    "resnet50": "ResNet-50",
+    "transformer": "Transformer encoder",
 }
 
 # SGD learning rates of the warm-up steps (momentum 0.9): each recipe's (ResNet: Goyal et al.'s
 # 0.1 per 256 images at batch 32), SegNet's halved because its labels here are noisier.
-_LEARNING_RATES = {"resnet18": 0.0125, "vgg16": 0.01, "ssd300": 1e-3, "ssd512": 1e-3, "segnet": 0.05, "resnet50": 0.025, "transformer": 1e-3}
+_LEARNING_RATES = {
+    "resnet18": 0.0125,
+    "vgg16": 0.01,
+    "ssd300": 1e-3,
+    "ssd512": 1e-3,
+    "segnet": 0.05,
+    "resnet50": 0.025,
+    "transformer": 1e-3,
+}
 
-_NUM_CLASSES = {"resnet18": 1000, "vgg16": 1000, "ssd300": 21, "ssd512": 21, "segnet": 11, "resnet50": 1000, "transformer": 10}
+_NUM_CLASSES = {
+    "resnet18": 1000,
+    "vgg16": 1000,
+    "ssd300": 21,
+    "ssd512": 21,
+    "segnet": 11,
+    "resnet50": 1000,
+    "transformer": 10,
+}
 
 
 @dataclass
@@ -169,7 +190,9 @@ class _TransformerClassifier(nn.Module):
         super().__init__()
         width = config.width
         self.embed = nn.Embedding(self.VOCABULARY, width)
-        layer = nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            width, max(1, width // 64), 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, 12 if width >= 768 else 2, enable_nested_tensor=False)
         self.head = nn.Linear(width, num_classes)
 
@@ -185,7 +208,9 @@ def _sequences(
 
     def make_batch(generator: torch.Generator) -> Batch:
         labels = torch.randint(0, num_classes, (config.batch_size,), generator=generator)
-        tokens = torch.randint(0, _TransformerClassifier.VOCABULARY, (config.batch_size, config.height), generator=generator)
+        tokens = torch.randint(
+            0, _TransformerClassifier.VOCABULARY, (config.batch_size, config.height), generator=generator
+        )
         marked = torch.rand(config.batch_size, config.height, generator=generator) < 0.25
         tokens = torch.where(marked, markers[labels].unsqueeze(1), tokens)
         return tokens.to(device), labels.to(device)
@@ -214,8 +239,12 @@ def _vgg16(num_classes: int, width_mult: float) -> nn.Module:
     model = VGG(make_layers(cfg), num_classes=num_classes, init_weights=False, dropout=0.0)
     hidden, features = _scaled(4096, width_mult), _scaled(512, width_mult) * 7 * 7
     model.classifier = nn.Sequential(
-        nn.Linear(features, hidden), nn.ReLU(True), nn.Dropout(0.0),
-        nn.Linear(hidden, hidden), nn.ReLU(True), nn.Dropout(0.0),
+        nn.Linear(features, hidden),
+        nn.ReLU(True),
+        nn.Dropout(0.0),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(True),
+        nn.Dropout(0.0),
         nn.Linear(hidden, num_classes),
     )
     for module in model.modules():  # torchvision's VGG initialisation

@@ -101,7 +101,9 @@ def _load(dataset: Any) -> list[tuple[Any, Any]]:
 def ssd_task(cache: Path, quick: bool) -> Task:
     """SSD300, width ×1/32, batch 8, on generated VOC-format data (4 classes)."""
     n_train, n_test = (8, 4) if quick else (64, 24)
-    root = write_synthetic_voc(cache / f"voc_{n_train}_{n_test}", years=("2007",), n_trainval=n_train, n_test=n_test, size=(96, 128))
+    root = write_synthetic_voc(
+        cache / f"voc_{n_train}_{n_test}", years=("2007",), n_trainval=n_train, n_test=n_test, size=(96, 128)
+    )
     transform = ssd_eval_transforms(300)
     train = collate_detection(_load(VOCDetection(root, [("2007", "trainval")], transforms=transform)))
     test = collate_detection(_load(VOCDetection(root, [("2007", "test")], transforms=transform, keep_difficult=True)))
@@ -164,7 +166,9 @@ def _camvid_segmentation(
 def segnet_task(cache: Path, quick: bool) -> Task:
     """SegNet-basic (3×3, width 16) on generated CamVid-format scenes at 48×64."""
     n_train, n_test = (16, 4) if quick else (96, 32)
-    root = write_synthetic_camvid(cache / f"camvid_{n_train}_{n_test}", n_train=n_train, n_val=2, n_test=n_test, size=(48, 64))
+    root = write_synthetic_camvid(
+        cache / f"camvid_{n_train}_{n_test}", n_train=n_train, n_val=2, n_test=n_test, size=(48, 64)
+    )
     train, loss, evaluate = _camvid_segmentation(root)
 
     def build(seed: int) -> nn.Module:
@@ -176,7 +180,11 @@ def segnet_task(cache: Path, quick: bool) -> Task:
 
 def small_resnet(num_classes: int, widths: tuple[int, ...] = (16, 32, 64)) -> nn.Module:
     """A CIFAR-style ResNet (He et al. 2016, §4.2) with one BasicBlock per stage: ResNet-8."""
-    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True)]
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, widths[0], 3, padding=1, bias=False),
+        nn.BatchNorm2d(widths[0]),
+        nn.ReLU(inplace=True),
+    ]
     for i, width in enumerate(widths):
         stride, previous = (1, width) if i == 0 else (2, widths[i - 1])
         downsample = None
@@ -195,8 +203,13 @@ def resnet_task(cache: Path, quick: bool) -> Task:
     from torchvision.transforms import v2
 
     per_class = (8, 2) if quick else (48, 16)
-    root = write_synthetic_imagefolder(cache / f"imagefolder_{per_class[0]}_{per_class[1]}", num_classes=4,
-                                       n_train_per_class=per_class[0], n_val_per_class=per_class[1], size=(32, 32))
+    root = write_synthetic_imagefolder(
+        cache / f"imagefolder_{per_class[0]}_{per_class[1]}",
+        num_classes=4,
+        n_train_per_class=per_class[0],
+        n_val_per_class=per_class[1],
+        size=(32, 32),
+    )
     transform = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.25] * 3)])
 
     def tensors(split: str) -> tuple[Tensor, Tensor]:
@@ -274,8 +287,9 @@ def deep_task(cache: Path, quick: bool) -> Task:
     pixels), per-pixel class-weighted cross-entropy, Adam (:func:`layer_scaled_adam`), batch 8;
     metric mIoU on the test split."""
     n_train, n_test = (16, 4) if quick else (96, 32)
-    root = write_synthetic_camvid(cache / f"camvid_24x32_{n_train}_{n_test}", n_train=n_train, n_val=2, n_test=n_test,
-                                  size=(24, 32))
+    root = write_synthetic_camvid(
+        cache / f"camvid_24x32_{n_train}_{n_test}", n_train=n_train, n_val=2, n_test=n_test, size=(24, 32)
+    )
     train, loss, evaluate = _camvid_segmentation(root)
     lr = 1e-3
 
@@ -283,10 +297,23 @@ def deep_task(cache: Path, quick: bool) -> Task:
         torch.manual_seed(seed)
         return plain_cnn(len(CAMVID_CLASSES))
 
-    return Task("deep", "mIoU", 8, lr, 0.0, train, build, loss, evaluate,
-                optimizer=lambda model: layer_scaled_adam(model, lr, DEEP_LOG2_GAINS))
+    return Task(
+        "deep",
+        "mIoU",
+        8,
+        lr,
+        0.0,
+        train,
+        build,
+        loss,
+        evaluate,
+        optimizer=lambda model: layer_scaled_adam(model, lr, DEEP_LOG2_GAINS),
+    )
 
 
 BUILDERS: dict[str, Callable[[Path, bool], Task]] = {
-    "ssd": ssd_task, "segnet": segnet_task, "resnet": resnet_task, "deep": deep_task,
+    "ssd": ssd_task,
+    "segnet": segnet_task,
+    "resnet": resnet_task,
+    "deep": deep_task,
 }

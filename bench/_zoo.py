@@ -41,7 +41,14 @@ TORCHVISION_DEFAULT = (
     "resnet18", "resnet50", "densenet121", "mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x0_5",
     "squeezenet1_1", "regnet_y_400mf", "mnasnet0_5", "vgg11_bn", "convnext_tiny", "swin_t", "vit_b_32",
 )  # fmt: skip
-TIMM_DEFAULT = ("resnet18d", "vit_tiny_patch16_224", "convnext_atto", "efficientnet_b0", "mobilenetv3_small_100", "regnetx_002")
+TIMM_DEFAULT = (
+    "resnet18d",
+    "vit_tiny_patch16_224",
+    "convnext_atto",
+    "efficientnet_b0",
+    "mobilenetv3_small_100",
+    "regnetx_002",
+)
 _NUM_CLASSES = 10
 _BATCH = 2
 # Transformers: 2 layers of width 128, sequences of 64 tokens (a plain backward of 5-15 ms here).
@@ -92,14 +99,18 @@ def _timm(name: str, size: int, scale: int, device: torch.device | str) -> tuple
     import timm
 
     kwargs = {"img_size": size} if "vit" in name else {}
-    return _classifier(timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), size, _BATCH * scale, device)
+    return _classifier(
+        timm.create_model(name, pretrained=False, num_classes=_NUM_CLASSES, **kwargs), size, _BATCH * scale, device
+    )
 
 
 def _tokens(batch: int, length: int = _LENGTH) -> Tensor:
     return torch.randint(0, _VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def _language_model(model: nn.Module, inputs: dict[str, Tensor], device: torch.device | str) -> tuple[nn.Module, Forward]:
+def _language_model(
+    model: nn.Module, inputs: dict[str, Tensor], device: torch.device | str
+) -> tuple[nn.Module, Forward]:
     model.to(device).train()
     inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
     return model, lambda: model(**inputs).loss
@@ -116,7 +127,9 @@ def _bert(attention: str, width: int, scale: int, device: torch.device | str) ->
     config = BertConfig(vocab_size=_VOCAB, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width), intermediate_size=4 * width,
                         max_position_embeddings=_LENGTH, num_labels=_NUM_CLASSES, attn_implementation=attention)  # fmt: skip
     labels = torch.randint(0, _NUM_CLASSES, (_BATCH * scale,), generator=torch.Generator().manual_seed(1))
-    return _language_model(BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels}, device)
+    return _language_model(
+        BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels}, device
+    )
 
 
 def _gpt2(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
@@ -131,8 +144,20 @@ def _t5(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, 
     from transformers import T5Config, T5ForConditionalGeneration
 
     heads = _heads(width)
-    config = T5Config(vocab_size=_VOCAB, d_model=width, d_kv=width // heads, d_ff=4 * width, num_layers=2, num_heads=heads, decoder_start_token_id=0)
-    return _language_model(T5ForConditionalGeneration(config), {"input_ids": _tokens(_BATCH * scale), "labels": _tokens(_BATCH * scale, _LENGTH // 4)}, device)
+    config = T5Config(
+        vocab_size=_VOCAB,
+        d_model=width,
+        d_kv=width // heads,
+        d_ff=4 * width,
+        num_layers=2,
+        num_heads=heads,
+        decoder_start_token_id=0,
+    )
+    return _language_model(
+        T5ForConditionalGeneration(config),
+        {"input_ids": _tokens(_BATCH * scale), "labels": _tokens(_BATCH * scale, _LENGTH // 4)},
+        device,
+    )
 
 
 def _hf_vit(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
@@ -149,9 +174,13 @@ def _whisper(width: int, scale: int, device: torch.device | str) -> tuple[nn.Mod
     config = WhisperConfig(vocab_size=_VOCAB, d_model=width, encoder_layers=2, decoder_layers=2, encoder_attention_heads=_heads(width),
                            decoder_attention_heads=_heads(width), encoder_ffn_dim=4 * width, decoder_ffn_dim=4 * width, num_mel_bins=16,
                            max_source_positions=_LENGTH, max_target_positions=_LENGTH, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
-    features = torch.randn(_BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0))  # 2 × max_source_positions frames
+    features = torch.randn(
+        _BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0)
+    )  # 2 × max_source_positions frames
     labels = _tokens(_BATCH * scale, _LENGTH // 4)
-    return _language_model(WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels}, device)
+    return _language_model(
+        WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels}, device
+    )
 
 
 class PackedRNNClassifier(nn.Module):
@@ -174,7 +203,9 @@ def _rnn(rnn: nn.RNNBase, scale: int, device: torch.device | str) -> tuple[nn.Mo
     generator = torch.Generator().manual_seed(0)
     batch = _RNN_BATCH * scale
     sequences = torch.randn(_RNN_LENGTH, batch, rnn.input_size, generator=generator).to(device)
-    lengths = torch.linspace(_RNN_LENGTH, 3, batch).long()  # variable lengths, the longest first (on the CPU, as packing wants)
+    lengths = torch.linspace(
+        _RNN_LENGTH, 3, batch
+    ).long()  # variable lengths, the longest first (on the CPU, as packing wants)
     labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator).to(device)
     model = PackedRNNClassifier(rnn).to(device).train()
     return model, lambda: F.cross_entropy(model(sequences, lengths), labels)
@@ -182,10 +213,20 @@ def _rnn(rnn: nn.RNNBase, scale: int, device: torch.device | str) -> tuple[nn.Mo
 
 def _rnns() -> list[ZooModel]:
     return [
-        ZooModel("rnn", "lstm-2layer-bidirectional", lambda k, d: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, num_layers=2, bidirectional=True), k, d)),
-        ZooModel("rnn", "lstm-proj", lambda k, d: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, proj_size=_RNN_HIDDEN // 2), k, d)),
+        ZooModel(
+            "rnn",
+            "lstm-2layer-bidirectional",
+            lambda k, d: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, num_layers=2, bidirectional=True), k, d),
+        ),
+        ZooModel(
+            "rnn", "lstm-proj", lambda k, d: _rnn(nn.LSTM(_RNN_INPUT, _RNN_HIDDEN, proj_size=_RNN_HIDDEN // 2), k, d)
+        ),
         ZooModel("rnn", "gru-2layer", lambda k, d: _rnn(nn.GRU(_RNN_INPUT, _RNN_HIDDEN, num_layers=2), k, d)),
-        ZooModel("rnn", "rnn-tanh-bidirectional", lambda k, d: _rnn(nn.RNN(_RNN_INPUT, _RNN_HIDDEN, bidirectional=True), k, d)),
+        ZooModel(
+            "rnn",
+            "rnn-tanh-bidirectional",
+            lambda k, d: _rnn(nn.RNN(_RNN_INPUT, _RNN_HIDDEN, bidirectional=True), k, d),
+        ),
     ]
 
 
@@ -212,8 +253,15 @@ def zoo(
         raise ValueError(f"unknown zoo families {sorted(unknown)}; expected some of {FAMILIES}")
     models: list[ZooModel] = []
     if "torchvision" in families:
-        chosen, size = (torchvision.models.list_models(module=torchvision.models), 64) if every_torchvision else (TORCHVISION_DEFAULT, 32)
-        models += [ZooModel("torchvision", n, lambda k, d, n=n, size=image_size or size: _torchvision(n, size, k, d)) for n in chosen]
+        chosen, size = (
+            (torchvision.models.list_models(module=torchvision.models), 64)
+            if every_torchvision
+            else (TORCHVISION_DEFAULT, 32)
+        )
+        models += [
+            ZooModel("torchvision", n, lambda k, d, n=n, size=image_size or size: _torchvision(n, size, k, d))
+            for n in chosen
+        ]
     if "timm" in families and importlib.util.find_spec("timm") is not None:
         models += [ZooModel("timm", n, lambda k, d, n=n: _timm(n, image_size or 32, k, d)) for n in TIMM_DEFAULT]
     if "transformers" in families and importlib.util.find_spec("transformers") is not None:

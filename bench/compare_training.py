@@ -107,18 +107,43 @@ def _methods() -> dict[str, Method]:
         Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
         Method("e5m2-amax", "e5m2", "per-tensor amax (TE delayed)", f16, True, E5M2, lambda m: RecipeScaling()),
         Method(
-            "e5m2-amax-dynamic", "e5m2", "per-tensor amax + dynamic loss scale", f16, True, E5M2,
+            "e5m2-amax-dynamic",
+            "e5m2",
+            "per-tensor amax + dynamic loss scale",
+            f16,
+            True,
+            E5M2,
             lambda m: DynamicLossScale(grad_scaling=DelayedScaling()),
         ),
-        Method("e5m2-current", "e5m2", "per-tensor current (TE current)", f16, True, E5M2, lambda m: RecipeScaling(CurrentScaling())),
         Method(
-            "e5m2-current-dynamic", "e5m2", "per-tensor current + dynamic loss scale", f16, True, E5M2,
+            "e5m2-current",
+            "e5m2",
+            "per-tensor current (TE current)",
+            f16,
+            True,
+            E5M2,
+            lambda m: RecipeScaling(CurrentScaling()),
+        ),
+        Method(
+            "e5m2-current-dynamic",
+            "e5m2",
+            "per-tensor current + dynamic loss scale",
+            f16,
+            True,
+            E5M2,
             lambda m: DynamicLossScale(grad_scaling=CurrentScaling()),
         ),
         Method("e5m2-gs", "e5m2", "GS", f16, True, E5M2, lambda m: GradientScaler(m, dtype=E5M2)),
-        Method("e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())),
         Method(
-            "e4m3-mx-dynamic", "e4m3fn", "MX blocks of 32 + dynamic loss scale", f16, True, E4M3,
+            "e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())
+        ),
+        Method(
+            "e4m3-mx-dynamic",
+            "e4m3fn",
+            "MX blocks of 32 + dynamic loss scale",
+            f16,
+            True,
+            E4M3,
             lambda m: DynamicLossScale(grad_scaling=MXBlockScaling()),
         ),
         Method("e4m3-gs", "e4m3fn", "GS", f16, True, E4M3, lambda m: GradientScaler(m, dtype=E4M3)),
@@ -131,6 +156,8 @@ def _methods() -> dict[str, Method]:
         entering("e4m3-in-gs", E4M3, "GS", lambda m: GradientScaler(m, dtype=E4M3)),
     ]
     return {m.key: m for m in rows}
+
+
 METHODS = _methods()
 OPTIONAL_METHODS = ("e4m3-gs", "e5m2-in-mx", "e4m3-in-gs")  # format-for-format checks, run on request
 DEFAULT_METHODS = tuple(k for k in METHODS if k not in OPTIONAL_METHODS)
@@ -158,8 +185,14 @@ class Run:
 
 
 def train(
-    task: Task, method: Method, seed: int, steps: int, underflow_every: int, *,
-    meter: UnderflowMeter | None = None, on_step: Callable[[int, Any], None] | None = None,
+    task: Task,
+    method: Method,
+    seed: int,
+    steps: int,
+    underflow_every: int,
+    *,
+    meter: UnderflowMeter | None = None,
+    on_step: Callable[[int, Any], None] | None = None,
 ) -> Run:
     """Train ``task`` with ``method`` from seed ``seed`` for ``steps`` steps; evaluate in fp32.
 
@@ -173,8 +206,12 @@ def train(
     meter = meter if meter is not None else UnderflowMeter(oracle_format=method.grad_dtype or method.autocast)
     emulation = None
     if method.emulated:
-        emulation = emulate(method.autocast, method.grad_dtype, grad_scaling=getattr(trainer, "grad_scaling", None),
-                            grad_rounding=method.grad_rounding)
+        emulation = emulate(
+            method.autocast,
+            method.grad_dtype,
+            grad_scaling=getattr(trainer, "grad_scaling", None),
+            grad_rounding=method.grad_rounding,
+        )
     generator = torch.Generator().manual_seed(seed)
     n = len(task.train[0])
     order = torch.randperm(n, generator=generator)
@@ -205,9 +242,23 @@ def train(
     seconds = time.perf_counter() - start
     model.eval()
     metric = task.evaluate(model)
-    return Run(task.name, method.key, seed, task.metric_name, metric, trainer.skipped_steps, statistics.fmean(underflow) if underflow else None,
-               seconds, losses, getattr(trainer, "update_iterations", None), statistics.fmean(oracle) if oracle else None,
-               method.grads, method.label, method.grad_rounding if method.emulated else None, getattr(trainer, "recomputed_steps", None))
+    return Run(
+        task.name,
+        method.key,
+        seed,
+        task.metric_name,
+        metric,
+        trainer.skipped_steps,
+        statistics.fmean(underflow) if underflow else None,
+        seconds,
+        losses,
+        getattr(trainer, "update_iterations", None),
+        statistics.fmean(oracle) if oracle else None,
+        method.grads,
+        method.label,
+        method.grad_rounding if method.emulated else None,
+        getattr(trainer, "recomputed_steps", None),
+    )
 
 
 class TensorUnderflowMeter(UnderflowMeter):
@@ -218,7 +269,9 @@ class TensorUnderflowMeter(UnderflowMeter):
     gradient a GEMM produces) or, where the emulation casts what enters each GEMM, ``∇Y``.
     """
 
-    def __init__(self, oracle_format: torch.dtype | None, parameter_shapes: set[tuple[int, ...]], grad_rounding: str = "output") -> None:
+    def __init__(
+        self, oracle_format: torch.dtype | None, parameter_shapes: set[tuple[int, ...]], grad_rounding: str = "output"
+    ) -> None:
         super().__init__(oracle_format=oracle_format)
         self.parameter_shapes, self.grad_rounding = parameter_shapes, grad_rounding
         self._shapes: list[tuple[int, ...]] = []
@@ -266,6 +319,7 @@ def gradient_magnitudes(task: Task, seed: int = 0) -> list[dict[str, Any]]:
     def keep_incoming(name: str) -> Callable[[nn.Module, Any, torch.Tensor], None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
             output.register_hook(lambda grad: incoming.__setitem__(name, grad.detach()))
+
         return hook
 
     handles = [layer.register_forward_hook(keep_incoming(name)) for name, layer in layers.items()]
@@ -292,20 +346,34 @@ def gradient_magnitudes(task: Task, seed: int = 0) -> list[dict[str, Any]]:
 
 def gradient_table(task_name: str, rows: list[dict[str, Any]], seed: int = 0) -> str:
     """:func:`gradient_magnitudes` (of seed ``seed``) as printed: a header line, a Markdown table, the spread in binades."""
-    lines = [f"{GRADIENT_HEADER} of `{task_name}` (log2 |g|, one fp32 backward at seed {seed}'s initialisation, "
-             "medians over nonzero entries):", "",
-             "| layer | ∇W median | ∇W max | ∇Y median | ∇Y max |", "|---|---|---|---|---|"]
+    lines = [
+        f"{GRADIENT_HEADER} of `{task_name}` (log2 |g|, one fp32 backward at seed {seed}'s initialisation, "
+        "medians over nonzero entries):",
+        "",
+        "| layer | ∇W median | ∇W max | ∇Y median | ∇Y max |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {r['layer']} | " + " | ".join(f"{r[k]:.1f}" for k in list(r)[1:]) + " |" for r in rows]
 
     def extreme(pick: Callable[..., Any], stat: str) -> tuple[float, str] | None:
-        return pick(((r[k], f"{k.split()[0]} of layer {r['layer']}") for r in rows for k in (f"∇W {stat}", f"∇Y {stat}")
-                     if math.isfinite(r[k])), default=None)
+        return pick(
+            (
+                (r[k], f"{k.split()[0]} of layer {r['layer']}")
+                for r in rows
+                for k in (f"∇W {stat}", f"∇Y {stat}")
+                if math.isfinite(r[k])
+            ),
+            default=None,
+        )
 
     largest, smallest = extreme(max, "max"), extreme(min, "median")
     if largest is not None and smallest is not None:
-        lines += ["", f"Spread: the largest |g| is 2^{largest[0]:.1f} ({largest[1]}), the smallest median 2^{smallest[0]:.1f} "
-                  f"({smallest[1]}): {largest[0] - smallest[0]:.1f} binades. fp16 holds 2^-24 (its smallest subnormal) to "
-                  "2^16 (overflow): 40 binades."]
+        lines += [
+            "",
+            f"Spread: the largest |g| is 2^{largest[0]:.1f} ({largest[1]}), the smallest median 2^{smallest[0]:.1f} "
+            f"({smallest[1]}): {largest[0] - smallest[0]:.1f} binades. fp16 holds 2^-24 (its smallest subnormal) to "
+            "2^16 (overflow): 40 binades.",
+        ]
     return "\n".join(lines)
 
 
@@ -380,13 +448,19 @@ def plot(runs: list[Run], folder: Path) -> list[Path]:
                 method = METHODS[key]
                 if method.grads not in grads:
                     continue
-                curves = torch.tensor([r.losses for r in runs if r.task == task and r.method == key], dtype=torch.float64)
+                curves = torch.tensor(
+                    [r.losses for r in runs if r.task == task and r.method == key], dtype=torch.float64
+                )
                 mean = curves.mean(0)
                 window = max(1, len(mean) // 30)
                 smooth = torch.nn.functional.avg_pool1d(mean[None, None], window, 1).flatten()
                 label = method.label if method.grads in ("fp32", "bf16") else f"{method.grads} {method.label}"
-                ax.plot(range(window - 1, len(mean)), smooth.numpy(), label=label,
-                        linestyle="--" if method.grads in ("fp32", "bf16") else "-")
+                ax.plot(
+                    range(window - 1, len(mean)),
+                    smooth.numpy(),
+                    label=label,
+                    linestyle="--" if method.grads in ("fp32", "bf16") else "-",
+                )
             ax.set_title(f"{task}: {title}")
             ax.set_xlabel("step")
             ax.set_yscale("log")
@@ -409,25 +483,44 @@ def add_run_arguments(parser: argparse.ArgumentParser, cache: str) -> None:
     # Every step by default: GS updates its scales on some steps (every 100th, and when the gradients
     # drift), so a fixed stride samples them unevenly; steps 0, 10, 20... measured GS's ResNet-8 e5m2
     # underflow at 0.08% where every step gives 0.32% (README, the table's seventh run).
-    parser.add_argument("--underflow-every", type=int, default=1, help="measure GEMM-gradient underflow every N steps (default: every step)")
+    parser.add_argument(
+        "--underflow-every",
+        type=int,
+        default=1,
+        help="measure GEMM-gradient underflow every N steps (default: every step)",
+    )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / cache, help="generated datasets")
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (none if unset)")
     parser.add_argument("--json", type=Path, default=None, help="write every run's results here, after each run")
-    parser.add_argument("--report", type=Path, nargs="+", default=None, help="train nothing: table and plots of these --json files")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a shared machine; run tasks in parallel)")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", default=None, help="train nothing: table and plots of these --json files"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 suits a shared machine; run tasks in parallel)"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[Run]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny datasets, 10 steps, 1 seed: every method in < 3 min")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"default: {' '.join(DEFAULT_METHODS)}"
+    )
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 10)")
-    parser.add_argument("--underflow-by-tensor", type=int, default=0, metavar="N",
-                        help="after each emulated run, print the N tensors whose underflow was highest (mean over the steps measured)")
-    parser.add_argument("--gradient-magnitudes", action="store_true",
-                        help="first print each task's per-layer gradient magnitudes (one fp32 backward at initialisation)")
+    parser.add_argument(
+        "--underflow-by-tensor",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each emulated run, print the N tensors whose underflow was highest (mean over the steps measured)",
+    )
+    parser.add_argument(
+        "--gradient-magnitudes",
+        action="store_true",
+        help="first print each task's per-layer gradient magnitudes (one fp32 backward at initialisation)",
+    )
     add_run_arguments(parser, cache="gs_lightning_compare")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -455,13 +548,19 @@ def main(argv: list[str] | None = None) -> list[Run]:
                     meter = TensorUnderflowMeter(method.grad_dtype or method.autocast, shapes, method.grad_rounding)
                 run = train(task, method, seed, steps, args.underflow_every, meter=meter)
                 runs.append(run)
-                print(f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
-                      f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}"
-                      f" (oracle {run.oracle_underflow if run.oracle_underflow is not None else float('nan'):.4f}), "
-                      f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
-                      f"{run.seconds:.1f} s", flush=True)
+                print(
+                    f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
+                    f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}"
+                    f" (oracle {run.oracle_underflow if run.oracle_underflow is not None else float('nan'):.4f}), "
+                    f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
+                    f"{run.seconds:.1f} s",
+                    flush=True,
+                )
                 if meter is not None:
-                    print(f"  most underflow (place in the backward's casts, mean over steps): {meter.worst(args.underflow_by_tensor)}", flush=True)
+                    print(
+                        f"  most underflow (place in the backward's casts, mean over steps): {meter.worst(args.underflow_by_tensor)}",
+                        flush=True,
+                    )
                 if args.json is not None:  # after every run, so that an interrupted table keeps what it has
                     args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
@@ -471,8 +570,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
 R = TypeVar("R", bound=Run)
 
 
-def report(runs: list[R], plots: Path | None, make_table: Callable[[list[R]], str],
-           make_plots: Callable[[list[R], Path], list[Path]]) -> list[R]:
+def report(
+    runs: list[R],
+    plots: Path | None,
+    make_table: Callable[[list[R]], str],
+    make_plots: Callable[[list[R], Path], list[Path]],
+) -> list[R]:
     """Print the runs' table and, with ``plots``, write the plots there (this bench's or another's)."""
     print(make_table(runs))
     if plots is not None:

@@ -50,7 +50,10 @@ def train(overrides: list[str], run_dir: Path, env: dict[str, str]) -> tuple[flo
     start, cpu_start = time.perf_counter(), _children_cpu_seconds()
     result = subprocess.run(
         [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "++trainer.enable_progress_bar=false", *overrides],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     elapsed, cpu = time.perf_counter() - start, _children_cpu_seconds() - cpu_start
     if result.returncode != 0:

@@ -56,18 +56,36 @@ def machine() -> str:
     """CPU model, logical cores, memory, GPU if any, and the load when the run started."""
     cpu = platform.processor() or platform.machine()
     try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     except OSError:
         pass
     text = f"{cpu}, {os.cpu_count()} logical cores"
     try:
-        kib = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")))
+        kib = int(
+            next(
+                line.split()[1]
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")
+            )
+        )
         text += f", {kib / 2**20:.0f} GiB memory"
     except (OSError, StopIteration):
         pass
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False) if _has("nvidia-smi") else None
-    text += f", GPU {gpu.stdout.strip()}" if gpu is not None and gpu.returncode == 0 and gpu.stdout.strip() else ", no GPU"
+    gpu = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False
+        )
+        if _has("nvidia-smi")
+        else None
+    )
+    text += (
+        f", GPU {gpu.stdout.strip()}" if gpu is not None and gpu.returncode == 0 and gpu.stdout.strip() else ", no GPU"
+    )
     if hasattr(os, "getloadavg"):
         text += f"; load average {os.getloadavg()[0]:.1f} at the start"
     return text
@@ -154,11 +172,14 @@ def load_runs(data: Path = DATA) -> list[Recorded]:
     for path in sorted(data.glob("*.run.json")):
         name = path.name.removesuffix(".run.json")
         bench_json, output = data / f"{name}.json", data / f"{name}.out.txt"
-        runs.append(Recorded(
-            name, json.loads(path.read_text()),
-            json.loads(bench_json.read_text()) if bench_json.exists() else None,
-            output.read_text() if output.exists() else "",
-        ))
+        runs.append(
+            Recorded(
+                name,
+                json.loads(path.read_text()),
+                json.loads(bench_json.read_text()) if bench_json.exists() else None,
+                output.read_text() if output.exists() else "",
+            )
+        )
     return runs
 
 
@@ -244,7 +265,11 @@ def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[
                     continue
                 values = [_flatten(field, r.get(field)) for r in group]
                 for sub in dict.fromkeys(k for v in values for k in v):
-                    numbers = [v[sub] for v in values if isinstance(v.get(sub), (int, float)) and not isinstance(v.get(sub), bool)]
+                    numbers = [
+                        v[sub]
+                        for v in values
+                        if isinstance(v.get(sub), (int, float)) and not isinstance(v.get(sub), bool)
+                    ]
                     if numbers:
                         row[sub] = statistics.fmean(numbers)
                     elif all(v.get(sub) is None for v in values):
@@ -279,9 +304,14 @@ def _mean_std(values: list[float]) -> str:
 
 def _columns_named(row: dict[str, Any]) -> dict[str, str]:
     """Column titles readers know: the bench's field names made readable."""
-    names = {"skipped_steps": "skipped steps", "underflow": "GEMM-gradient underflow", "seconds": "s / run",
-             "update_iterations": "GS update iterations", "oracle_underflow": "oracle underflow",
-             "recomputed_steps": "GS recomputed steps"}
+    names = {
+        "skipped_steps": "skipped steps",
+        "underflow": "GEMM-gradient underflow",
+        "seconds": "s / run",
+        "update_iterations": "GS update iterations",
+        "oracle_underflow": "oracle underflow",
+        "recomputed_steps": "GS recomputed steps",
+    }
     return {k: names.get(k, k.replace("_", " ")) for k in row}
 
 
@@ -291,8 +321,11 @@ def training_section(run: Recorded) -> list[str]:
     titled = [{_columns_named(row)[k]: v for k, v in row.items()} for row in rows]
     steps = {len(r["losses"]) for r in run.data}
     lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *gradient_magnitudes(run)]
-    lines += [f"{len(run.data)} runs of {', '.join(map(str, sorted(steps)))} steps. "
-              "Metric and final train loss: mean ± std over the seeds; every other column: the mean over the seeds.", ""]
+    lines += [
+        f"{len(run.data)} runs of {', '.join(map(str, sorted(steps)))} steps. "
+        "Metric and final train loss: mean ± std over the seeds; every other column: the mean over the seeds.",
+        "",
+    ]
     lines += markdown_table(titled)
     return lines
 
@@ -342,15 +375,21 @@ def overhead_section(run: Recorded) -> list[str]:
     timed = next(k for k in data["rows"][0] if k.endswith(" ms"))
     if "GS between updates" in rows and "GradScaler" in rows:
         gs, amp = rows["GS between updates"], rows["GradScaler"]
-        lines += [f"GS between updates against GradScaler: {gs[timed] - amp[timed]:+.1f} ms, "
-                  f"{gs[timed] / amp[timed]:.3f}×, {gs['aten ops (backward)'] - amp['aten ops (backward)']:+d} aten ops.", ""]
+        lines += [
+            f"GS between updates against GradScaler: {gs[timed] - amp[timed]:+.1f} ms, "
+            f"{gs[timed] / amp[timed]:.3f}×, {gs['aten ops (backward)'] - amp['aten ops (backward)']:+d} aten ops.",
+            "",
+        ]
     if data.get("host breakdown"):
         lines += ["Host-side work of GS between updates (no kernels):", ""]
         lines += [f"- {k}: {number(v)}" for k, v in data["host breakdown"].items()] + [""]
     if data.get("gradient passes"):
-        lines += ["Passes over the parameter gradients: GradScaler makes one (unscale and check); GS two between updates, "
-                  "the unscale after the backward (`.grad` holds true gradients when `backward()` returns) and the step's "
-                  "read (which sees what user code wrote, through `.data` too):", ""]
+        lines += [
+            "Passes over the parameter gradients: GradScaler makes one (unscale and check); GS two between updates, "
+            "the unscale after the backward (`.grad` holds true gradients when `backward()` returns) and the step's "
+            "read (which sees what user code wrote, through `.data` too):",
+            "",
+        ]
         lines += [f"- {k}: {number(v)}" for k, v in data["gradient passes"].items()] + [""]
     return lines
 
@@ -363,10 +402,13 @@ def memory_section(run: Recorded) -> list[str]:
     kept, not_kept = rows.get("GS between updates"), rows.get("GS between updates, no fp32 recompute")
     if kept and not_kept:
         held = kept["held after backward MiB"] - not_kept["held after backward MiB"]
-        lines += [f"Kept until the step for the fp32 recompute of overflowed weight gradients: {held:.1f} MiB, "
-                  f"{held / kept['after forward MiB']:.0%} of what the forward left allocated; "
-                  f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it, "
-                  f"{not_kept['peak / plain']:.2f}× without.", ""]
+        lines += [
+            f"Kept until the step for the fp32 recompute of overflowed weight gradients: {held:.1f} MiB, "
+            f"{held / kept['after forward MiB']:.0%} of what the forward left allocated; "
+            f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it, "
+            f"{not_kept['peak / plain']:.2f}× without.",
+            "",
+        ]
     return lines
 
 
@@ -383,14 +425,21 @@ def update_cost_rows(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[d
         row.update({f"{m} ms": times[m] for m in times})
         row.update({f"{m} / plain": times[m] / times["plain"] for m in times if m != "plain"})
         row["decisions"] = r["decisions"]
-        exact = "yes" if r["exact_update"] and r["exact_replay"] else f"no (update {number(r['exact_update'])}, replay {number(r['exact_replay'])})"
-        row["exact (update, replay)"] = exact + (f", {r['nondeterministic']} nondeterministic in plain backward" if r["nondeterministic"] else "")
+        exact = (
+            "yes"
+            if r["exact_update"] and r["exact_replay"]
+            else f"no (update {number(r['exact_update'])}, replay {number(r['exact_replay'])})"
+        )
+        row["exact (update, replay)"] = exact + (
+            f", {r['nondeterministic']} nondeterministic in plain backward" if r["nondeterministic"] else ""
+        )
         models.append(row)
     for family in dict.fromkeys(r["family"] for r in data["rows"]):
         ok = [m for m in models if m["family"] == family and "decisions" in m]
         every = [m for m in models if m["family"] == family]
         families[family] = {
-            "family": family, "models": len(every),
+            "family": family,
+            "models": len(every),
             "median update / plain": statistics.median(m["update / plain"] for m in ok) if ok else None,
             "median replay / plain": statistics.median(m["replay / plain"] for m in ok) if ok else None,
             "bit-exact": f"{sum(m['exact (update, replay)'] == 'yes' or m['exact (update, replay)'].startswith('yes,') for m in ok)} of {len(ok)}",
@@ -424,8 +473,17 @@ def demo_output(run: Recorded) -> str:
 
 
 def demo_section(run: Recorded) -> list[str]:
-    return [f"## {run.provenance['title']}", "", *run.provenance_lines(),
-            "What it prints at the end:", "", "```text", *demo_output(run).splitlines(), "```", ""]
+    return [
+        f"## {run.provenance['title']}",
+        "",
+        *run.provenance_lines(),
+        "What it prints at the end:",
+        "",
+        "```text",
+        *demo_output(run).splitlines(),
+        "```",
+        "",
+    ]
 
 
 SECTIONS: dict[str, Callable[[Recorded], list[str]]] = {
@@ -448,68 +506,92 @@ class Page:
 
 
 PAGES = (
-    Page("training.md", "Training beside every baseline", ("compare_training.py", "ssd_finetune.py"),
-         "Small versions of the paper's three experiments (task `segnet`: SegNet-basic on generated CamVid-format "
-         "scenes; `resnet`: ResNet-8 on generated images; `ssd`: SSD300 on generated VOC-format boxes, from "
-         "scratch) and a task built for the paper's premise, layers whose gradients lie far apart (`deep`: a plain "
-         "16-layer CNN, no normalisation or residuals, whose layers' weights are scaled by powers of two from 2^-9 "
-         "to 2^10, per-pixel classes of generated CamVid-format scenes, Adam with per-layer learning rates that "
-         "make its fp32 training the unscaled network's; the spread as wide as fp16's forward allows, see "
-         "`bench/_training_tasks.py`), trained under CPU emulation of fp16 "
-         "(`gs_lightning.simulate.emulate`), each method from the same initial weights on the same batches. "
-         "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
-         "produces rounded to that fp8 format (the fp16 path, the paper's: the GEMM writes the low-precision "
-         "result itself; per-tensor current and MX block scaling are handed the GEMM's exact result to scale, "
-         "and store what they dequantize in fp16); *bf16 + e5m2 ∇Y* / *bf16 + e4m3fn ∇Y*: the fp8 hardware path, "
-         "as Transformer Engine and torchao train, bf16 between GEMMs and the gradient entering each backward "
-         "GEMM cast to fp8 from its bf16 value. *GEMM-gradient underflow*: of each gradient the emulation casts "
-         "(what a backward GEMM produces, or on the hardware path what enters it), the fraction of its nonzero "
-         "exact values that rounding made zero, averaged over tensors and steps; *oracle underflow*: the same "
-         "for the best power-of-two scale of each tensor, chosen with hindsight and without overflow (what no "
-         "power-of-two scale per tensor can beat; current scaling's scales are not powers of two, MX's are per "
-         "block of 32). "
-         "*GS update iterations*: backwards that decided the scales (the others replayed them). "
-         "*GS recomputed steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the "
-         "operands the replay kept (what that memory buys: [Memory](memory.md)); without it they would have been "
-         "skipped. "
-         "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
-         "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
-         "without the mode); GS's update statistics are fp32 and run outside it. "
-         "Between updates GS keeps each GEMM's operands and incoming gradient until the step (to recompute a "
-         "weight gradient that overflows); with glibc's malloc the memory the backward allocates meanwhile is "
-         "fresh and page-faults, where a GPU's caching allocator would reuse its blocks: on these small tasks that "
-         "too counts against GS's seconds. "
-         "Generated datasets and short "
-         "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
-         "runs measure."),
-    Page("overhead.md", "Overhead on the backward pass", ("overhead.py",),
-         "`bench/overhead.py` times one backward (and the step's finiteness check) per method, methods "
-         "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
-         "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
-         "operations each dispatches (on a GPU, each is a kernel launch)."),
-    Page("memory.md", "Memory against a plain backward", ("memory.py",),
-         "`bench/memory.py` runs one iteration per method from `zero_grad(set_to_none=True)`, the same model and "
-         "batch for each, and takes the memory allocated above the iteration's start: after the forward, at the "
-         "peak of the backward and the step's finiteness check, and still held after the backward (until the "
-         "step). Between updates GS keeps each GEMM's saved operand and incoming gradient until the step, to "
-         "recompute in fp32 a weight gradient that overflowed instead of skipping the step "
-         "(`recompute_weight_gradients`, on by default; see [How it works](../how-it-works.md)); "
-         "`recompute_weight_gradients=False` keeps nothing."),
-    Page("update-cost.md", "Update iterations on a model zoo", ("update_cost.py",),
-         "`bench/update_cost.py` builds third-party models from their configs (torchvision classifiers, timm, "
-         "Hugging Face transformers, packed RNNs; timm and transformers when installed), times a plain backward, "
-         "a GS update iteration and a GS replay in fp32, and checks that every `.grad` equals plain backward's "
-         "bit for bit after both (*exact*)."),
-    Page("fidelity.md", "Gradient fidelity against fp32", ("fidelity.py",),
-         "`bench/fidelity.py` measures, on the same weights and batch, the relative error of all parameter "
-         "gradients against fp32 and the fraction of nonzero fp32 activation gradients that underflow to zero: "
-         "no scaling, the best fixed loss scale (an oracle found by sweeping 2^0..2^24), GradScaler's steady "
-         "state, and GS with the paper's λmin and with this package's default. GS is measured on an update "
-         "iteration."),
-    Page("demo.md", "The demo", ("train.py",),
-         "`python train.py` trains SegNet-basic on a generated CamVid-format dataset with gradient scaling "
-         "(fp16 emulated on a CPU, real fp16 on a GPU) and prints its final metrics, the per-layer scale table "
-         "and where it wrote its files."),
+    Page(
+        "training.md",
+        "Training beside every baseline",
+        ("compare_training.py", "ssd_finetune.py"),
+        "Small versions of the paper's three experiments (task `segnet`: SegNet-basic on generated CamVid-format "
+        "scenes; `resnet`: ResNet-8 on generated images; `ssd`: SSD300 on generated VOC-format boxes, from "
+        "scratch) and a task built for the paper's premise, layers whose gradients lie far apart (`deep`: a plain "
+        "16-layer CNN, no normalisation or residuals, whose layers' weights are scaled by powers of two from 2^-9 "
+        "to 2^10, per-pixel classes of generated CamVid-format scenes, Adam with per-layer learning rates that "
+        "make its fp32 training the unscaled network's; the spread as wide as fp16's forward allows, see "
+        "`bench/_training_tasks.py`), trained under CPU emulation of fp16 "
+        "(`gs_lightning.simulate.emulate`), each method from the same initial weights on the same batches. "
+        "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
+        "produces rounded to that fp8 format (the fp16 path, the paper's: the GEMM writes the low-precision "
+        "result itself; per-tensor current and MX block scaling are handed the GEMM's exact result to scale, "
+        "and store what they dequantize in fp16); *bf16 + e5m2 ∇Y* / *bf16 + e4m3fn ∇Y*: the fp8 hardware path, "
+        "as Transformer Engine and torchao train, bf16 between GEMMs and the gradient entering each backward "
+        "GEMM cast to fp8 from its bf16 value. *GEMM-gradient underflow*: of each gradient the emulation casts "
+        "(what a backward GEMM produces, or on the hardware path what enters it), the fraction of its nonzero "
+        "exact values that rounding made zero, averaged over tensors and steps; *oracle underflow*: the same "
+        "for the best power-of-two scale of each tensor, chosen with hindsight and without overflow (what no "
+        "power-of-two scale per tensor can beat; current scaling's scales are not powers of two, MX's are per "
+        "block of 32). "
+        "*GS update iterations*: backwards that decided the scales (the others replayed them). "
+        "*GS recomputed steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the "
+        "operands the replay kept (what that memory buys: [Memory](memory.md)); without it they would have been "
+        "skipped. "
+        "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
+        "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
+        "without the mode); GS's update statistics are fp32 and run outside it. "
+        "Between updates GS keeps each GEMM's operands and incoming gradient until the step (to recompute a "
+        "weight gradient that overflows); with glibc's malloc the memory the backward allocates meanwhile is "
+        "fresh and page-faults, where a GPU's caching allocator would reuse its blocks: on these small tasks that "
+        "too counts against GS's seconds. "
+        "Generated datasets and short "
+        "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
+        "runs measure.",
+    ),
+    Page(
+        "overhead.md",
+        "Overhead on the backward pass",
+        ("overhead.py",),
+        "`bench/overhead.py` times one backward (and the step's finiteness check) per method, methods "
+        "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
+        "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
+        "operations each dispatches (on a GPU, each is a kernel launch).",
+    ),
+    Page(
+        "memory.md",
+        "Memory against a plain backward",
+        ("memory.py",),
+        "`bench/memory.py` runs one iteration per method from `zero_grad(set_to_none=True)`, the same model and "
+        "batch for each, and takes the memory allocated above the iteration's start: after the forward, at the "
+        "peak of the backward and the step's finiteness check, and still held after the backward (until the "
+        "step). Between updates GS keeps each GEMM's saved operand and incoming gradient until the step, to "
+        "recompute in fp32 a weight gradient that overflowed instead of skipping the step "
+        "(`recompute_weight_gradients`, on by default; see [How it works](../how-it-works.md)); "
+        "`recompute_weight_gradients=False` keeps nothing.",
+    ),
+    Page(
+        "update-cost.md",
+        "Update iterations on a model zoo",
+        ("update_cost.py",),
+        "`bench/update_cost.py` builds third-party models from their configs (torchvision classifiers, timm, "
+        "Hugging Face transformers, packed RNNs; timm and transformers when installed), times a plain backward, "
+        "a GS update iteration and a GS replay in fp32, and checks that every `.grad` equals plain backward's "
+        "bit for bit after both (*exact*).",
+    ),
+    Page(
+        "fidelity.md",
+        "Gradient fidelity against fp32",
+        ("fidelity.py",),
+        "`bench/fidelity.py` measures, on the same weights and batch, the relative error of all parameter "
+        "gradients against fp32 and the fraction of nonzero fp32 activation gradients that underflow to zero: "
+        "no scaling, the best fixed loss scale (an oracle found by sweeping 2^0..2^24), GradScaler's steady "
+        "state, and GS with the paper's λmin and with this package's default. GS is measured on an update "
+        "iteration.",
+    ),
+    Page(
+        "demo.md",
+        "The demo",
+        ("train.py",),
+        "`python train.py` trains SegNet-basic on a generated CamVid-format dataset with gradient scaling "
+        "(fp16 emulated on a CPU, real fp16 on a GPU) and prints its final metrics, the per-layer scale table "
+        "and where it wrote its files.",
+    ),
 )
 
 
@@ -523,33 +605,75 @@ def headline(runs: list[Recorded]) -> list[str]:
         if run.script == "compare_training.py":
             aggregated = aggregate(run.data, _training_methods(run.script))
             for task, grads in dict.fromkeys((r["task"], r["gradients"]) for r in aggregated):
-                group = {r["method"]: r for r in aggregated if (r["task"], r["gradients"]) == (task, grads) and r["underflow"] is not None}
-                cells = [f"{method}: {group[method]['skipped_steps']:.1f} skipped steps, {number(group[method]['underflow'], 'underflow')} underflow"
-                         for method in HEADLINE_METHODS if method in group]
+                group = {
+                    r["method"]: r
+                    for r in aggregated
+                    if (r["task"], r["gradients"]) == (task, grads) and r["underflow"] is not None
+                }
+                cells = [
+                    f"{method}: {group[method]['skipped_steps']:.1f} skipped steps, {number(group[method]['underflow'], 'underflow')} underflow"
+                    for method in HEADLINE_METHODS
+                    if method in group
+                ]
                 if "GS" in group and len(cells) > 1:
                     oracle = group["GS"].get("oracle_underflow")
-                    floor = f" (per-tensor oracle on GS's run: {number(oracle, 'underflow')})" if oracle is not None else ""
-                    rows.append((f"{TASK_TITLES.get(task, task)}, {grads} gradients: skipped steps, GEMM-gradient underflow",
-                                 "; ".join(cells) + floor, "training.md"))
+                    floor = (
+                        f" (per-tensor oracle on GS's run: {number(oracle, 'underflow')})" if oracle is not None else ""
+                    )
+                    rows.append(
+                        (
+                            f"{TASK_TITLES.get(task, task)}, {grads} gradients: skipped steps, GEMM-gradient underflow",
+                            "; ".join(cells) + floor,
+                            "training.md",
+                        )
+                    )
         elif run.script == "overhead.py":
             settings, timed = run.data["settings"], next(k for k in run.data["rows"][0] if k.endswith(" ms"))
-            what = f"{settings['arch']} {timed.removesuffix(' ms')} on {settings['device']}" + (", torch.compile" if settings.get("torch.compile backend") else "")
-            rows.append((f"{what}: time against a plain backward",
-                         "; ".join(f"{r['method']} {r['ratio vs plain']:.2f}×" for r in run.data["rows"][1:]), "overhead.md"))
+            what = f"{settings['arch']} {timed.removesuffix(' ms')} on {settings['device']}" + (
+                ", torch.compile" if settings.get("torch.compile backend") else ""
+            )
+            rows.append(
+                (
+                    f"{what}: time against a plain backward",
+                    "; ".join(f"{r['method']} {r['ratio vs plain']:.2f}×" for r in run.data["rows"][1:]),
+                    "overhead.md",
+                )
+            )
         elif run.script == "memory.py":
             settings = run.data["settings"]
             what = f"{settings['arch']} batch {settings['batch size']} at {settings['image size']}² on {settings['device']}"
-            rows.append((f"{what}: peak memory of an iteration against a plain backward's",
-                         "; ".join(f"{r['method']} {r['peak / plain']:.2f}×" for r in run.data["rows"][1:]), "memory.md"))
+            rows.append(
+                (
+                    f"{what}: peak memory of an iteration against a plain backward's",
+                    "; ".join(f"{r['method']} {r['peak / plain']:.2f}×" for r in run.data["rows"][1:]),
+                    "memory.md",
+                )
+            )
         elif run.script == "update_cost.py":
             _, families = update_cost_rows(run.data)
-            rows.append((f"GS update iteration against a plain backward, model zoo ({run.provenance['title']}), median per family",
-                         "; ".join(f"{f['family']} {f['median update / plain']:.2f}×" for f in families if f["median update / plain"] is not None),
-                         "update-cost.md"))
+            rows.append(
+                (
+                    f"GS update iteration against a plain backward, model zoo ({run.provenance['title']}), median per family",
+                    "; ".join(
+                        f"{f['family']} {f['median update / plain']:.2f}×"
+                        for f in families
+                        if f["median update / plain"] is not None
+                    ),
+                    "update-cost.md",
+                )
+            )
         elif run.script == "fidelity.py":
-            rows.append(("GS gradient error against fp32, ÷ the best fixed loss scale's",
-                         "; ".join(f"{r['model']} {r['GS error / best fixed']:.2f}×" for r in run.data["rows"]
-                                   if r["GS error / best fixed"] is not None and "default" in r["method"]), "fidelity.md"))
+            rows.append(
+                (
+                    "GS gradient error against fp32, ÷ the best fixed loss scale's",
+                    "; ".join(
+                        f"{r['model']} {r['GS error / best fixed']:.2f}×"
+                        for r in run.data["rows"]
+                        if r["GS error / best fixed"] is not None and "default" in r["method"]
+                    ),
+                    "fidelity.md",
+                )
+            )
     return [
         "| measured here | result | from |",
         "|---|---|---|",
@@ -560,10 +684,20 @@ def headline(runs: list[Recorded]) -> list[str]:
 # compare_training's methods the README's table sets side by side, in each gradient setting that has GS and one of the others:
 # the dynamic loss scale (what fp16 users run today) and per-tensor current scaling, alone and under a dynamic loss scale
 # (the strongest per-tensor fp8 anchors)
-HEADLINE_METHODS = ("GS", "dynamic loss scale", "per-tensor current (TE current)", "per-tensor current + dynamic loss scale")
+HEADLINE_METHODS = (
+    "GS",
+    "dynamic loss scale",
+    "per-tensor current (TE current)",
+    "per-tensor current + dynamic loss scale",
+)
 PAGE_TITLES = {page.file: page.title for page in PAGES}
 # compare_training's tasks, as the page's intro names them
-TASK_TITLES = {"resnet": "ResNet-8", "segnet": "SegNet-basic", "ssd": "SSD300", "deep": "Plain CNN-16 with scaled layers"}
+TASK_TITLES = {
+    "resnet": "ResNet-8",
+    "segnet": "SegNet-basic",
+    "ssd": "SSD300",
+    "deep": "Plain CNN-16 with scaled layers",
+}
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -573,11 +707,18 @@ def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
     """Every generated file's text, by path (``plots``: also draw the training curves there)."""
     header = f"<!-- Generated by `{GENERATOR}` from docs/results/data/; do not edit. -->"
     files: dict[Path, str] = {}
-    index = [header, "", "# Results", "",
-             "Every number on these pages is measured here, by a run of this repository's code whose command, "
-             "commit, date and machine head its section. The pages are generated from the runs' JSON by "
-             f"`{GENERATOR}`; to add or renew a run, see that script's docstring.", "",
-             "| page | runs |", "|---|---|"]
+    index = [
+        header,
+        "",
+        "# Results",
+        "",
+        "Every number on these pages is measured here, by a run of this repository's code whose command, "
+        "commit, date and machine head its section. The pages are generated from the runs' JSON by "
+        f"`{GENERATOR}`; to add or renew a run, see that script's docstring.",
+        "",
+        "| page | runs |",
+        "|---|---|",
+    ]
     for page in PAGES:
         selected = [run for run in runs if run.script in page.scripts]
         if not selected:
@@ -590,15 +731,23 @@ def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
                     training_plots(run, plots)
                 lines += [f"![Training loss, {path}]({path})" for path in _existing_plots(run)] + [""]
         files[DOCS / page.file] = "\n".join(lines).rstrip() + "\n"
-        index.append(f"| [{page.title}]({page.file}) | " + "; ".join(run.provenance["title"] for run in selected) + " |")
+        index.append(
+            f"| [{page.title}]({page.file}) | " + "; ".join(run.provenance["title"] for run in selected) + " |"
+        )
     index += ["", "## At a glance", "", *[line.replace("(docs/results/", "(") for line in headline(runs)], ""]
-    unrecorded = sorted(f"`bench/{script}`" for script in SECTIONS if script.endswith(".py") and script != "train.py"
-                        and not any(run.script == script for run in runs))
+    unrecorded = sorted(
+        f"`bench/{script}`"
+        for script in SECTIONS
+        if script.endswith(".py") and script != "train.py" and not any(run.script == script for run in runs)
+    )
     if unrecorded:
         index += [f"Not run for these pages: {', '.join(unrecorded)}.", ""]
     if all("no GPU" in run.provenance["machine"] for run in runs):
-        index += ["No run on a GPU is recorded here: `bash bench/gpu_check.sh` runs the fidelity, overhead and "
-                  "zoo benches on one CUDA GPU at realistic sizes.", ""]
+        index += [
+            "No run on a GPU is recorded here: `bash bench/gpu_check.sh` runs the fidelity, overhead and "
+            "zoo benches on one CUDA GPU at realistic sizes.",
+            "",
+        ]
     files[DOCS / "index.md"] = "\n".join(index)
     demo = [run for run in runs if run.script == "train.py"]
     if demo:
@@ -621,7 +770,9 @@ def readme_with_table(readme: str, table: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "record":
-        parser = argparse.ArgumentParser(prog="docs_results.py record", description="run a bench and record where its numbers come from")
+        parser = argparse.ArgumentParser(
+            prog="docs_results.py record", description="run a bench and record where its numbers come from"
+        )
         parser.add_argument("name", help="the run's name: its files are docs/results/data/NAME.*")
         parser.add_argument("--title", required=True, help="the section's title on its results page")
         split = argv.index("--") if "--" in argv else len(argv)

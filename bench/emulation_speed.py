@@ -58,9 +58,15 @@ class _stack:
 
 def _two_conv_block() -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
     )
     labels = torch.randint(0, 10, (8,))
     return model, torch.randn(8, 3, 32, 32), lambda out: F.cross_entropy(out.float(), labels)
@@ -91,7 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} rounds, forward + backward\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} rounds, forward + backward\n"
+    )
     print("| workload | precision | seconds | vs fp32 | real fp16 / this |")
     print("|---|---|---|---|---|")
     for name, make in WORKLOADS.items():
@@ -105,7 +113,9 @@ def main() -> None:
                     times[precision].append(elapsed)
         median = {p: statistics.median(t) for p, t in times.items()}
         for precision, seconds in median.items():
-            print(f"| {name} | {precision} | {seconds:.4f} | {seconds / median['fp32']:.2f}x | {median['fp16 (real)'] / seconds:.1f}x |")
+            print(
+                f"| {name} | {precision} | {seconds:.4f} | {seconds / median['fp32']:.2f}x | {median['fp16 (real)'] / seconds:.1f}x |"
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from _models import MODELS, SIZES, Workload, build
+
 from gs_lightning.analysis.fidelity import Fidelity, FidelityProbe, ScalingRun
 
 TARGET_RATIO = 1.5  # GS's error may be at most this many times the best fixed scale's
@@ -198,8 +198,13 @@ def diagnosis(result: ModelResult, top: int = 8) -> str:
             f"| {'' if layer is None else layer.log2_total} | {'' if layer is None else f'{layer.underflow_rate:.2g}'} "
             f"| {_fmt(fixed.error)} | {_pct(fixed.underflow)} |"
         )
-    lines += ["", "Activation gradients that underflow most under GS:", "",
-              "| module output | GS zeroed | fixed zeroed |", "|---|---|---|"]
+    lines += [
+        "",
+        "Activation gradients that underflow most under GS:",
+        "",
+        "| module output | GS zeroed | fixed zeroed |",
+        "|---|---|---|",
+    ]
     for name, rate in sorted(gs.activations.items(), key=lambda item: item[1], reverse=True)[:top]:
         lines.append(f"| {name} | {_pct(rate)} | {_pct(best.activations.get(name, 0.0))} |")
     return "\n".join(lines)
@@ -241,7 +246,11 @@ def main() -> None:
         f"reference: fp32 with TF32 off. Took {elapsed:.0f} s.\n"
     )
     for result in results:
-        warm = "" if result.warmup_loss is None else f", lr {result.workload.lr:g}, last warm-up loss {result.warmup_loss:.3g}"
+        warm = (
+            ""
+            if result.warmup_loss is None
+            else f", lr {result.workload.lr:g}, last warm-up loss {result.warmup_loss:.3g}"
+        )
         print(f"- {result.workload.title}: {result.workload.settings}{warm}, {result.seconds:.0f} s")
     print()
     print(table([row for result in results for row in result.rows]))
@@ -249,17 +258,35 @@ def main() -> None:
     for result in results:
         skipped = len(result.runs[DEFAULT_GS].attempts) - 1
         note = f" (after {skipped} skipped steps: its first iteration overflowed)" if skipped else ""
-        print(f"- {result.workload.title}: {_fmt(result.ratio)}x, "
-              f"{'met' if result.ratio <= TARGET_RATIO else 'MISSED'}{note}")
+        print(
+            f"- {result.workload.title}: {_fmt(result.ratio)}x, "
+            f"{'met' if result.ratio <= TARGET_RATIO else 'MISSED'}{note}"
+        )
     for result in results:
         if args.details or result.ratio > TARGET_RATIO or len(result.runs[DEFAULT_GS].attempts) > 1:
             print("\n" + diagnosis(result))
     if args.json:
-        settings = {"size": size, "device": args.device, "device name": _device_name(device), "seed": args.seed,
-                    "fp32 warm-up steps": warmup_steps, "torch": torch.__version__, "target ratio": TARGET_RATIO}
-        rows = [{"model": row.model, "method": row.method, "scale": row.scale, "gradient error": row.fidelity.error,
-                 "underflow": row.fidelity.underflow, "GS error / best fixed": row.ratio}
-                for result in results for row in result.rows]
+        settings = {
+            "size": size,
+            "device": args.device,
+            "device name": _device_name(device),
+            "seed": args.seed,
+            "fp32 warm-up steps": warmup_steps,
+            "torch": torch.__version__,
+            "target ratio": TARGET_RATIO,
+        }
+        rows = [
+            {
+                "model": row.model,
+                "method": row.method,
+                "scale": row.scale,
+                "gradient error": row.fidelity.error,
+                "underflow": row.fidelity.underflow,
+                "GS error / best fixed": row.ratio,
+            }
+            for result in results
+            for row in result.rows
+        ]
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)
 

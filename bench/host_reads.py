@@ -110,7 +110,9 @@ def _models(batch: int, device: str) -> dict[str, tuple[nn.Module, Callable[[nn.
     images, labels = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
     tokens, targets = torch.randn(batch, 16, 128, device=device), torch.randint(0, 10, (batch,), device=device)
     encoder = nn.Sequential(
-        nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0), 2, enable_nested_tensor=False),
+        nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0), 2, enable_nested_tensor=False
+        ),
         nn.Flatten(),
         nn.Linear(16 * 128, 10),
     )
@@ -152,10 +154,14 @@ def main() -> None:
         for method in ("GradScaler", "GS"):
             rows += measure(name, model, loss_of, args.device, method)
     print(f"Host reads per iteration ({args.device}, batch {args.batch_size}, fp16 autocast)\n")
-    print("| model | method | iteration | reads in backward | reads in step | CUDA syncs in backward | CUDA syncs in step |")
+    print(
+        "| model | method | iteration | reads in backward | reads in step | CUDA syncs in backward | CUDA syncs in step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.model} | {r.method} | {r.iteration} | {r.backward_reads} | {r.step_reads} | {r.backward_syncs if r.backward_syncs is not None else '-'} | {r.step_syncs if r.step_syncs is not None else '-'} |")
+        print(
+            f"| {r.model} | {r.method} | {r.iteration} | {r.backward_reads} | {r.step_reads} | {r.backward_syncs if r.backward_syncs is not None else '-'} | {r.step_syncs if r.step_syncs is not None else '-'} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=1)

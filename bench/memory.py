@@ -48,8 +48,21 @@ MIB = 2**20
 
 
 class _MallocInfo(ctypes.Structure):  # glibc's struct mallinfo2
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 class _PeakSampler(TorchDispatchMode):
@@ -79,8 +92,10 @@ class DeviceMemory:
         library = ctypes.CDLL(ctypes.util.find_library("c"))
         self._mallinfo2 = getattr(library, "mallinfo2", None)
         if self._mallinfo2 is None:
-            raise SystemExit("bench/memory.py: on a CPU the bytes in use are read from glibc's mallinfo2 (Linux, glibc 2.33 "
-                             "or newer), which this system's C library lacks; run it with --device cuda")
+            raise SystemExit(
+                "bench/memory.py: on a CPU the bytes in use are read from glibc's mallinfo2 (Linux, glibc 2.33 "
+                "or newer), which this system's C library lacks; run it with --device cuda"
+            )
         self._mallinfo2.restype = _MallocInfo
 
     def in_use(self) -> int:
@@ -112,7 +127,9 @@ class Method:
     scaler: GradientScaler | None = None
 
 
-def iteration_memory(memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method) -> dict[str, float]:
+def iteration_memory(
+    memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method
+) -> dict[str, float]:
     """One iteration of ``method`` on ``model`` (``loss()`` runs the forward), from ``zero_grad(set_to_none=True)``: MiB above its start."""
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -127,10 +144,21 @@ def iteration_memory(memory: DeviceMemory, model: torch.nn.Module, loss: Callabl
         method.check()
 
     peak = memory.peak_of(backward_and_check)
-    return {"after forward MiB": (after_forward - start) / MIB, "peak MiB": (peak - start) / MIB, "held after backward MiB": (held[0] - start) / MIB}
+    return {
+        "after forward MiB": (after_forward - start) / MIB,
+        "peak MiB": (peak - start) / MIB,
+        "held after backward MiB": (held[0] - start) / MIB,
+    }
 
 
-def measure(memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method, replay: bool, warmup: int = 2) -> dict[str, float]:
+def measure(
+    memory: DeviceMemory,
+    model: torch.nn.Module,
+    loss: Callable[[], torch.Tensor],
+    method: Method,
+    replay: bool,
+    warmup: int = 2,
+) -> dict[str, float]:
     """:func:`iteration_memory` after ``warmup`` iterations; for a GS method, of an iteration that
     replayed the scales (``replay``) or updated them, retried where the drift made a replay update."""
     for _ in range(warmup):
@@ -140,7 +168,9 @@ def measure(memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], tor
         result = iteration_memory(memory, model, loss, method)
         if method.scaler is None or (method.scaler.update_iterations == updates) == replay:
             return result
-    raise RuntimeError(f"bench/memory.py: three iterations in a row did not {'replay' if replay else 'update'} the scales")
+    raise RuntimeError(
+        f"bench/memory.py: three iterations in a row did not {'replay' if replay else 'update'} the scales"
+    )
 
 
 def main() -> None:
@@ -174,10 +204,16 @@ def main() -> None:
     amp = torch.amp.GradScaler(device.type)
     methods = {  # name -> (method, whether its measured iteration replays the scales)
         "plain backward": (Method(lambda value: value.backward(), lambda: None), False),
-        "GradScaler": (Method(lambda value: amp.scale(value).backward(), partial(grad_scaler_check, amp, optimizer)), False),
+        "GradScaler": (
+            Method(lambda value: amp.scale(value).backward(), partial(grad_scaler_check, amp, optimizer)),
+            False,
+        ),
         "GS update iteration": (gradient_scaling(update_interval=1), False),
         "GS between updates": (gradient_scaling(update_interval=10**9), True),
-        "GS between updates, no fp32 recompute": (gradient_scaling(update_interval=10**9, recompute_weight_gradients=False), True),
+        "GS between updates, no fp32 recompute": (
+            gradient_scaling(update_interval=10**9, recompute_weight_gradients=False),
+            True,
+        ),
     }
     rows = []
     for name, (method, replay) in methods.items():
@@ -186,16 +222,29 @@ def main() -> None:
         row["peak / plain"] = row["peak MiB"] / rows[0]["peak MiB"]
 
     where = f"{device.type}" + (", fp16 autocast" if args.autocast else ", fp32")
-    print(f"\n{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, {where}: MiB above the iteration's start\n")
+    print(
+        f"\n{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, {where}: MiB above the iteration's start\n"
+    )
     print("| method | after forward MiB | peak MiB | held after backward MiB | peak / plain |")
     print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['method']} | {row['after forward MiB']:.1f} | {row['peak MiB']:.1f} | {row['held after backward MiB']:.1f} "
-              f"| {row['peak / plain']:.3f} |")
+        print(
+            f"| {row['method']} | {row['after forward MiB']:.1f} | {row['peak MiB']:.1f} | {row['held after backward MiB']:.1f} "
+            f"| {row['peak / plain']:.3f} |"
+        )
     if args.json:
-        settings = {"arch": args.arch, "batch size": args.batch_size, "image size": args.image_size, "device": device.type,
-                    "threads": args.threads, "autocast fp16": args.autocast, "torch": torch.__version__,
-                    "bytes in use": "torch.cuda.memory_allocated" if device.type == "cuda" else "glibc mallinfo2, after every aten operation"}
+        settings = {
+            "arch": args.arch,
+            "batch size": args.batch_size,
+            "image size": args.image_size,
+            "device": device.type,
+            "threads": args.threads,
+            "autocast fp16": args.autocast,
+            "torch": torch.__version__,
+            "bytes in use": "torch.cuda.memory_allocated"
+            if device.type == "cuda"
+            else "glibc mallinfo2, after every aten operation",
+        }
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)
 

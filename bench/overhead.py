@@ -138,7 +138,9 @@ def gradient_passes(model: torch.nn.Module, device: torch.device, rounds: int) -
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     found_inf, inv_scale = torch.zeros(1, device=device), torch.ones(1, device=device)
     passes: dict[str, Callable[[], object]] = {
-        "GradScaler unscale and check ms": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale),
+        "GradScaler unscale and check ms": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found_inf, inv_scale
+        ),
         "GS unscale ms": lambda: unscale_(grads, 1.0),
         "GS step read ms": lambda: largest_magnitudes(grads),
     }
@@ -148,7 +150,9 @@ def gradient_passes(model: torch.nn.Module, device: torch.device, rounds: int) -
             times[name].append(_time(run, device))
     result = {name: statistics.median(samples) for name, samples in times.items()}
     result["gradient values"] = sum(g.numel() for g in grads)
-    result["GS passes less GradScaler's ms"] = result["GS unscale ms"] + result["GS step read ms"] - result["GradScaler unscale and check ms"]
+    result["GS passes less GradScaler's ms"] = (
+        result["GS unscale ms"] + result["GS step read ms"] - result["GradScaler unscale and check ms"]
+    )
     return result
 
 
@@ -256,13 +260,23 @@ def main() -> None:
         median = statistics.median(samples)
         added = ops[name] - ops["plain backward"]
         print(f"| {name} | {median:.1f} | {median - plain:+.2f} | {median / plain:.3f} | {ops[name]} | {added:+d} |")
-        rows.append({"method": name, f"{timed} ms": median, "added vs plain (ms)": median - plain,
-                     "ratio vs plain": median / plain, "aten ops (backward)": ops[name], "ops added vs plain": added})
+        rows.append(
+            {
+                "method": name,
+                f"{timed} ms": median,
+                "added vs plain (ms)": median - plain,
+                "ratio vs plain": median / plain,
+                "aten ops (backward)": ops[name],
+                "ops added vs plain": added,
+            }
+        )
     reuse, amp_ms = statistics.median(times["GS between updates"]), statistics.median(times["GradScaler"])
     best_reuse, best_amp = min(times["GS between updates"]), min(times["GradScaler"])
-    print(f"\nGS between updates vs GradScaler: median {reuse - amp_ms:+.2f} ms ({reuse / amp_ms:.3f}x), "
-          f"best of {args.rounds} {best_reuse - best_amp:+.2f} ms ({best_reuse / best_amp:.3f}x), "
-          f"{ops['GS between updates'] - ops['GradScaler']:+d} aten ops")
+    print(
+        f"\nGS between updates vs GradScaler: median {reuse - amp_ms:+.2f} ms ({reuse / amp_ms:.3f}x), "
+        f"best of {args.rounds} {best_reuse - best_amp:+.2f} ms ({best_reuse / best_amp:.3f}x), "
+        f"{ops['GS between updates'] - ops['GradScaler']:+d} aten ops"
+    )
     if breakdown:
         print("\nHost-side work of GS between updates (no kernels):")
     for name, value in breakdown.items():
@@ -271,11 +285,24 @@ def main() -> None:
     for name, value in passes.items():
         print(f"- {name}: {value:.3f}" if isinstance(value, float) else f"- {name}: {value}")
     if args.json:
-        settings = {"arch": args.arch, "batch size": args.batch_size, "image size": args.image_size, "device": device.type,
-                    "threads": args.threads, "autocast fp16": args.autocast, "rounds": args.rounds, "clock": clock_name,
-                    "torch.compile backend": args.backend if args.compile else None, "torch": torch.__version__}
+        settings = {
+            "arch": args.arch,
+            "batch size": args.batch_size,
+            "image size": args.image_size,
+            "device": device.type,
+            "threads": args.threads,
+            "autocast fp16": args.autocast,
+            "rounds": args.rounds,
+            "clock": clock_name,
+            "torch.compile backend": args.backend if args.compile else None,
+            "torch": torch.__version__,
+        }
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "rows": rows, "host breakdown": breakdown, "gradient passes": passes}, f, indent=1)
+            json.dump(
+                {"settings": settings, "rows": rows, "host breakdown": breakdown, "gradient passes": passes},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,13 @@ import torchvision
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from gs_lightning import DynamicLossScalingPlugin, FP16MixedPrecision, FP16Plugin, GradientScalingPlugin, LossScalingPlugin
+from gs_lightning import (
+    DynamicLossScalingPlugin,
+    FP16MixedPrecision,
+    FP16Plugin,
+    GradientScalingPlugin,
+    LossScalingPlugin,
+)
 
 UPDATE_INTERVAL = 100  # the paper's setting; a run here stays well below it
 
@@ -83,7 +89,9 @@ class StepTimer(Callback):
         _synchronize(pl_module.device)
         self._start = (time.perf_counter(), time.process_time())
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         _synchronize(pl_module.device)
         self.batches += 1
         if batch_idx > 0:
@@ -137,8 +145,11 @@ def table(accelerator: str, results: list[tuple[str, StepTimer]]) -> str:
     lines = [
         f"### {accelerator}",
         "",
-        "| plugin | " + " | ".join(f"{m} ms/step" for m in measures) + " | timed steps | skipped steps | "
-        + " | ".join(f"{m} / Dyn-LS" for m in measures) + " |",
+        "| plugin | "
+        + " | ".join(f"{m} ms/step" for m in measures)
+        + " | timed steps | skipped steps | "
+        + " | ".join(f"{m} / Dyn-LS" for m in measures)
+        + " |",
         "|---|" + "---:|" * (2 * len(measures) + 2),
     ]
     for name, timer in results:
@@ -165,10 +176,14 @@ def main() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner for every fit
     accelerators = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    print(f"ResNet-18, batch {args.batch_size}, {args.image_size}×{args.image_size}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads; {args.rounds} rounds × {args.steps - 1} timed steps per plugin\n")
+    print(
+        f"ResNet-18, batch {args.batch_size}, {args.image_size}×{args.image_size}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads; {args.rounds} rounds × {args.steps - 1} timed steps per plugin\n"
+    )
     for accelerator in accelerators:
-        print(table(accelerator, run(accelerator, args.rounds, args.steps, args.batch_size, args.image_size)), flush=True)
+        print(
+            table(accelerator, run(accelerator, args.rounds, args.steps, args.batch_size, args.image_size)), flush=True
+        )
 
 
 if __name__ == "__main__":

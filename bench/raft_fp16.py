@@ -40,7 +40,10 @@ def train(scaled: bool, batches: list[tuple[torch.Tensor, ...]], flow_updates: i
             if ok:
                 optimizer.step()
         finite.append(ok)
-        print(f"{'gs' if scaled else 'unscaled'} step {step}: {'ok' if ok else 'NON-FINITE / skipped'} ({time.time() - start:.0f} s)", flush=True)
+        print(
+            f"{'gs' if scaled else 'unscaled'} step {step}: {'ok' if ok else 'NON-FINITE / skipped'} ({time.time() - start:.0f} s)",
+            flush=True,
+        )
     return finite
 
 
@@ -54,7 +57,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     shape = (1, 3, args.size, args.size)
     batches = [
-        (torch.rand(shape, generator=generator) * 2 - 1, torch.rand(shape, generator=generator) * 2 - 1, torch.randn(1, 2, args.size, args.size, generator=generator))
+        (
+            torch.rand(shape, generator=generator) * 2 - 1,
+            torch.rand(shape, generator=generator) * 2 - 1,
+            torch.randn(1, 2, args.size, args.size, generator=generator),
+        )
         for _ in range(args.steps)
     ]
     for run in args.run:

@@ -57,8 +57,13 @@ GROUPS = ("heads", "backbone")
 def _fixed(grads: str, scale_log2: int) -> Method:
     """Fixed loss scale 2^``scale_log2`` with ``grads`` gradients (``"fp16"`` or ``"e5m2"``)."""
     return Method(
-        f"{grads}-fixed{2**scale_log2}", grads, f"fixed loss scale 2^{scale_log2}", torch.float16, True,
-        E5M2 if grads == "e5m2" else None, lambda m: FixedLossScale(2.0**scale_log2),
+        f"{grads}-fixed{2**scale_log2}",
+        grads,
+        f"fixed loss scale 2^{scale_log2}",
+        torch.float16,
+        True,
+        E5M2 if grads == "e5m2" else None,
+        lambda m: FixedLossScale(2.0**scale_log2),
     )
 
 
@@ -67,8 +72,13 @@ SWEEP = {m.key: m for grads in ("fp16", "e5m2") for m in (_fixed(grads, s) for s
 ALL_METHODS: dict[str, Method] = {**METHODS, **SWEEP}
 DEFAULT_METHODS = (
     "fp32",
-    *(f"fp16-fixed{2**s}" for s in FIXED_SCALES_LOG2), "fp16-dynamic", "fp16-gs",
-    *(f"e5m2-fixed{2**s}" for s in FIXED_SCALES_LOG2), "e5m2-dynamic", "e5m2-amax", "e5m2-gs",
+    *(f"fp16-fixed{2**s}" for s in FIXED_SCALES_LOG2),
+    "fp16-dynamic",
+    "fp16-gs",
+    *(f"e5m2-fixed{2**s}" for s in FIXED_SCALES_LOG2),
+    "e5m2-dynamic",
+    "e5m2-amax",
+    "e5m2-gs",
 )
 
 
@@ -102,10 +112,18 @@ QUICK = Size(width=1 / 32, n_train=16, n_test=8, n_pretrain=32, pretrain_epochs=
 
 def _voc(cache: Path, n_trainval: int, n_test: int, seed: int) -> tuple[tuple[Tensor, list], tuple[Tensor, list]]:
     """Generated VOC-format images (96x128, 4 classes) resized to 300x300 and standardised."""
-    root = write_synthetic_voc(cache / f"voc_{n_trainval}_{n_test}_s{seed}", years=("2007",),
-                               n_trainval=n_trainval, n_test=n_test, size=(96, 128), seed=seed)
+    root = write_synthetic_voc(
+        cache / f"voc_{n_trainval}_{n_test}_s{seed}",
+        years=("2007",),
+        n_trainval=n_trainval,
+        n_test=n_test,
+        size=(96, 128),
+        seed=seed,
+    )
     transform = ssd_eval_transforms(300)
-    train = collate_detection(_load(VOCDetection(root, [("2007", "trainval")], transforms=transform, keep_difficult=True)))
+    train = collate_detection(
+        _load(VOCDetection(root, [("2007", "trainval")], transforms=transform, keep_difficult=True))
+    )
     test = collate_detection(_load(VOCDetection(root, [("2007", "test")], transforms=transform, keep_difficult=True)))
     return train, test
 
@@ -130,7 +148,11 @@ def object_crops(images: Tensor, targets: list[dict[str, Tensor]]) -> tuple[Tens
 def _classifier(backbone: nn.Module) -> nn.Sequential:
     """The backbone's pretrained part (conv1_1..conv7) under global pooling and a linear classifier."""
     return nn.Sequential(
-        backbone.conv4_3, backbone.conv5_3, backbone.fc, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        backbone.conv4_3,
+        backbone.conv5_3,
+        backbone.fc,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(backbone.out_channels[1], NUM_CLASSES),
     )
 
@@ -141,7 +163,13 @@ def pretrained_backbone(size: Size, cache: Path, weights_dir: Path) -> tuple[dic
     Returns the state_dict of those layers (``conv4_3.*``, ``conv5_3.*``, ``fc.*`` keys of
     ``SSDVGG16.backbone``) and what the pretraining reached (crop accuracy, seconds).
     """
-    recipe = {"width": size.width, "n_pretrain": size.n_pretrain, "epochs": size.pretrain_epochs, "crop": CROP, "seed": 0}
+    recipe = {
+        "width": size.width,
+        "n_pretrain": size.n_pretrain,
+        "epochs": size.pretrain_epochs,
+        "crop": CROP,
+        "seed": 0,
+    }
     digest = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = weights_dir / f"ssd_finetune_backbone_{digest}.pt"
     if path.is_file():
@@ -164,8 +192,13 @@ def pretrained_backbone(size: Size, cache: Path, weights_dir: Path) -> tuple[dic
     with torch.no_grad():
         accuracy = float((classifier(test_crops).argmax(1) == test_labels).float().mean())
     state_dict = {k: v for k, v in backbone.state_dict().items() if k.split(".")[0] in ("conv4_3", "conv5_3", "fc")}
-    info = {**recipe, "crops": len(crops), "test_crops": len(test_crops), "crop_accuracy": accuracy,
-            "seconds": time.perf_counter() - start}
+    info = {
+        **recipe,
+        "crops": len(crops),
+        "test_crops": len(test_crops),
+        "crop_accuracy": accuracy,
+        "seconds": time.perf_counter() - start,
+    }
     weights_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"state_dict": state_dict, "info": info}, path)
     return state_dict, info
@@ -261,7 +294,9 @@ class FinetuneRun(Run):
     underflow_groups: dict[str, float | None] = field(default_factory=dict)  # group -> mean GEMM-gradient underflow
 
 
-def finetune_task(size: Size, cache: Path, weights_dir: Path, meter: GroupedUnderflowMeter) -> tuple[Task, dict[str, Any]]:
+def finetune_task(
+    size: Size, cache: Path, weights_dir: Path, meter: GroupedUnderflowMeter
+) -> tuple[Task, dict[str, Any]]:
     """SSD300 (4 classes) with the pretrained backbone and fresh heads, batch 8; metric VOC07 test mAP."""
     backbone_state, pretrain_info = pretrained_backbone(size, cache, weights_dir)
     train_set, test = _voc(cache, size.n_train, size.n_test, seed=0)
@@ -290,7 +325,9 @@ def finetune_task(size: Size, cache: Path, weights_dir: Path, meter: GroupedUnde
     return Task("ssd-finetune", "mAP", 8, size.lr, 5e-4, train_set, build, loss, evaluate), pretrain_info
 
 
-def run_one(task: Task, meter: GroupedUnderflowMeter, method: Method, seed: int, steps: int, underflow_every: int) -> FinetuneRun:
+def run_one(
+    task: Task, meter: GroupedUnderflowMeter, method: Method, seed: int, steps: int, underflow_every: int
+) -> FinetuneRun:
     """Train one (method, seed) and record skips, scales and grouped underflow over time."""
     skipped_at: list[int] = []
     scale_steps: list[int] = []
@@ -308,7 +345,9 @@ def run_one(task: Task, meter: GroupedUnderflowMeter, method: Method, seed: int,
     meter.reset()
     run = train(task, method, seed, steps, underflow_every, meter=meter, on_step=on_step)
     groups = {g: (statistics.fmean(v) if v else None) for g, v in meter.history.items()} if method.emulated else {}
-    return FinetuneRun(**asdict(run), skipped_at=skipped_at, scale_steps=scale_steps, log2_scale=log2_scale, underflow_groups=groups)
+    return FinetuneRun(
+        **asdict(run), skipped_at=skipped_at, scale_steps=scale_steps, log2_scale=log2_scale, underflow_groups=groups
+    )
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -372,8 +411,15 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
             rs = [r for r in runs if r.method == key]
             for r in rs:
                 skips[r.skipped_at] += 1
-            ax.step(range(steps), (skips.cumsum(0) / len(rs)).numpy(), where="post", label=name(key), color=colours[key],
-                    linestyle=":" if "fixed" in key else "-", linewidth=2.5 if key.endswith("-gs") else 1.5)
+            ax.step(
+                range(steps),
+                (skips.cumsum(0) / len(rs)).numpy(),
+                where="post",
+                label=name(key),
+                color=colours[key],
+                linestyle=":" if "fixed" in key else "-",
+                linewidth=2.5 if key.endswith("-gs") else 1.5,
+            )
         ax.set_title(f"{grads} gradients: cumulative skipped steps (mean over seeds)")
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
@@ -389,8 +435,14 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
             r = next((r for r in runs if r.method == key and r.seed == 0 and r.scale_steps), None)
             if r is None or "fixed" in key:  # fixed scales are flat lines at their value
                 continue
-            ax.step(r.scale_steps, r.log2_scale[group], where="post", label=name(key), color=colours[key],
-                    linestyle="--" if ALL_METHODS[key].grads == "e5m2" else "-")
+            ax.step(
+                r.scale_steps,
+                r.log2_scale[group],
+                where="post",
+                label=name(key),
+                color=colours[key],
+                linestyle="--" if ALL_METHODS[key].grads == "e5m2" else "-",
+            )
         ax.set_title(f"{group}: loss scale or GS median accumulated scale (seed 0)")
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
@@ -404,14 +456,21 @@ def plot(runs: list[FinetuneRun], folder: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[FinetuneRun]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny data, width x1/32, 6 steps, 1 seed: every method in < 3 min")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny data, width x1/32, 6 steps, 1 seed: every method in < 3 min"
+    )
     parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(DEFAULT_METHODS))
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 2; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 80; --quick 6)")
     parser.add_argument("--width", type=float, default=None, help=f"VGG16 width multiplier (default {FULL.width:g})")
     parser.add_argument("--lr", type=float, default=None, help=f"detector SGD learning rate (default {FULL.lr:g})")
     parser.add_argument("--n-train", type=int, default=None, help=f"training images (default {FULL.n_train})")
-    parser.add_argument("--weights", type=Path, default=Path.home() / ".cache" / "gs_lightning", help="where the pretrained backbone is cached")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        default=Path.home() / ".cache" / "gs_lightning",
+        help="where the pretrained backbone is cached",
+    )
     add_run_arguments(parser, cache="gs_lightning_ssd_finetune")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -419,7 +478,9 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
         runs = [FinetuneRun(**run) for path in args.report for run in json.loads(path.read_text())]
         return report(runs, args.plots, table, plot)
     size = QUICK if args.quick else FULL
-    size = replace(size, **{k: v for k, v in (("width", args.width), ("lr", args.lr), ("n_train", args.n_train)) if v is not None})
+    size = replace(
+        size, **{k: v for k, v in (("width", args.width), ("lr", args.lr), ("n_train", args.n_train)) if v is not None}
+    )
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (6 if args.quick else 80)
     if seeds < 1 or steps < 1:
@@ -427,8 +488,11 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
 
     meter = GroupedUnderflowMeter()
     task, pretrain = finetune_task(size, args.cache, args.weights, meter)
-    print(f"{size}; pretrained backbone: crop accuracy {pretrain['crop_accuracy']:.3f} on {pretrain['test_crops']} held-out crops "
-          f"({pretrain['seconds']:.0f} s when built)", flush=True)
+    print(
+        f"{size}; pretrained backbone: crop accuracy {pretrain['crop_accuracy']:.3f} on {pretrain['test_crops']} held-out crops "
+        f"({pretrain['seconds']:.0f} s when built)",
+        flush=True,
+    )
     runs: list[FinetuneRun] = []
     total = time.perf_counter()
     for seed in range(seeds):  # seed-major: an interrupted table still has every method
@@ -436,8 +500,11 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
             run = run_one(task, meter, ALL_METHODS[key], seed, steps, args.underflow_every)
             runs.append(run)
             groups = ", ".join(f"{g} {v:.4f}" for g, v in run.underflow_groups.items() if v is not None)
-            print(f"{key:16s} seed {seed}: mAP {run.metric:.4f}, loss {_final_loss(run):.3f}, skipped {run.skipped_steps}, "
-                  f"underflow {groups or '-'}, {run.seconds:.0f} s", flush=True)
+            print(
+                f"{key:16s} seed {seed}: mAP {run.metric:.4f}, loss {_final_loss(run):.3f}, skipped {run.skipped_steps}, "
+                f"underflow {groups or '-'}, {run.seconds:.0f} s",
+                flush=True,
+            )
             if args.json is not None:
                 args.json.write_text(json.dumps([asdict(r) for r in runs]))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")

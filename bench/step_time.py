@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from _models import MODELS, SIZES, Workload, build
 from torch import Tensor, nn
 
-from _models import MODELS, SIZES, Workload, build
 from gs_lightning.scaling import GradientScaler
 
 WARMUP_ROUNDS = 2  # not timed: allocator and kernel warm-up, GS's one update

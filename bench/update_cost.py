@@ -40,9 +40,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from _zoo import FAMILIES, ZooModel, zoo
 from torch import nn
 
-from _zoo import FAMILIES, ZooModel, zoo
 from gs_lightning import GradientScaler
 
 METHODS = ("plain", "update", "replay")
@@ -87,7 +87,9 @@ def _scaled_backward(scaler: GradientScaler, loss: torch.Tensor) -> None:
     scaler.update()
 
 
-def measure(entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1, device: torch.device | str = "cpu") -> Measurement:
+def measure(
+    entry: ZooModel, rounds: int, batch_scale: int = 1, warmup: int = 1, device: torch.device | str = "cpu"
+) -> Measurement:
     """Time plain, update and replay backwards of one zoo model on ``device`` and check their gradients are equal."""
     result = Measurement(entry.family, entry.name)
     try:
@@ -149,14 +151,22 @@ def report(results: list[Measurement]) -> str:
         if r.error:
             lines.append(f"| {r.family} | {r.name} | | | | | | | failed: {r.error} |")
             continue
-        exact = "yes" if r.exact_update and r.exact_replay else f"NO ({'yes' if r.exact_update else 'no'}, {'yes' if r.exact_replay else 'no'})"
+        exact = (
+            "yes"
+            if r.exact_update and r.exact_replay
+            else f"NO ({'yes' if r.exact_update else 'no'}, {'yes' if r.exact_replay else 'no'})"
+        )
         if r.nondeterministic:
             exact += f" ({r.nondeterministic} nondeterministic in plain backward)"
         lines.append(
             f"| {r.family} | {r.name} | {r.times['plain']:.1f} | {r.times['update']:.1f} | {r.times['replay']:.1f} "
             f"| {r.ratio('update'):.2f} | {r.ratio('replay'):.2f} | {len(r.layers)} | {exact} |"
         )
-    lines += ["", "| family | models | median update / plain | median replay / plain | bit-exact | failed |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| family | models | median update / plain | median replay / plain | bit-exact | failed |",
+        "|---|---|---|---|---|---|",
+    ]
     for family in FAMILIES:
         rows = [r for r in results if r.family == family]
         ok = [r for r in rows if not r.error]
@@ -164,7 +174,9 @@ def report(results: list[Measurement]) -> str:
             continue
         median = lambda method: f"{statistics.median(r.ratio(method) for r in ok):.2f}" if ok else "-"  # noqa: E731
         exact = sum(r.exact_update and r.exact_replay for r in ok)
-        lines.append(f"| {family} | {len(rows)} | {median('update')} | {median('replay')} | {exact} of {len(ok)} | {len(rows) - len(ok)} |")
+        lines.append(
+            f"| {family} | {len(rows)} | {median('update')} | {median('replay')} | {exact} of {len(ok)} | {len(rows) - len(ok)} |"
+        )
     return "\n".join(lines)
 
 
@@ -174,25 +186,45 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--models", nargs="+", default=[], help="only these models (names as in the table)")
     parser.add_argument("--all", action="store_true", help="every torchvision list_models() classifier, at 64x64")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per model (after one warm-up round)")
-    parser.add_argument("--batch-scale", type=int, default=1, help="multiply every model's batch (bench/_zoo.py) by this")
-    parser.add_argument("--image-size", type=int, help="torchvision and timm images at this size (default 32, 64 with --all)")
-    parser.add_argument("--transformer-width", type=int, default=128, help="width of the transformers family (default 128)")
+    parser.add_argument(
+        "--batch-scale", type=int, default=1, help="multiply every model's batch (bench/_zoo.py) by this"
+    )
+    parser.add_argument(
+        "--image-size", type=int, help="torchvision and timm images at this size (default 32, 64 with --all)"
+    )
+    parser.add_argument(
+        "--transformer-width", type=int, default=128, help="width of the transformers family (default 128)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default cpu)")
-    parser.add_argument("--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON")
-    parser.add_argument("--json", metavar="FILE", help="write the settings and every model's times and exactness as JSON")
+    parser.add_argument(
+        "--dump-layers", metavar="FILE", help="write every model's scaler.layers() of its update as JSON"
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="write the settings and every model's times and exactness as JSON"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch_scale < 1:
         parser.error(f"--rounds and --batch-scale must be at least 1, got {args.rounds} and {args.batch_scale}")
     if args.image_size is not None and args.image_size < 32:
         parser.error(f"--image-size must be at least 32 (the zoo's smallest), got {args.image_size}")
     if args.transformer_width < 64 or args.transformer_width % 64:
-        parser.error(f"--transformer-width must be a positive multiple of 64 (heads of up to 64 features), got {args.transformer_width}")
+        parser.error(
+            f"--transformer-width must be a positive multiple of 64 (heads of up to 64 features), got {args.transformer_width}"
+        )
 
     torch.set_num_threads(args.threads)
-    models = zoo(tuple(args.families), every_torchvision=args.all, names=tuple(args.models), image_size=args.image_size, transformer_width=args.transformer_width)
+    models = zoo(
+        tuple(args.families),
+        every_torchvision=args.all,
+        names=tuple(args.models),
+        image_size=args.image_size,
+        transformer_width=args.transformer_width,
+    )
     if not models:
-        parser.error(f"no zoo model matches --families {args.families} --models {args.models} (timm/transformers installed?)")
+        parser.error(
+            f"no zoo model matches --families {args.families} --models {args.models} (timm/transformers installed?)"
+        )
     results = []
     for entry in models:
         start = time.perf_counter()
@@ -200,16 +232,28 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
         print(f"{entry.family}/{entry.name}: {time.perf_counter() - start:.1f} s", flush=True)
     images = f", images {args.image_size}x{args.image_size}" if args.image_size else ""
     images += f", transformers of width {args.transformer_width}" if args.transformer_width != 128 else ""
-    where = f"{args.threads} CPU thread(s)" if torch.device(args.device).type == "cpu" else f"{args.device} ({torch.cuda.get_device_name(args.device)})"
-    print(f"\nfp32, {where}, batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n")
+    where = (
+        f"{args.threads} CPU thread(s)"
+        if torch.device(args.device).type == "cpu"
+        else f"{args.device} ({torch.cuda.get_device_name(args.device)})"
+    )
+    print(
+        f"\nfp32, {where}, batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n"
+    )
     print(report(results))
     if args.dump_layers:
         with open(args.dump_layers, "w") as f:
             json.dump({f"{r.family}/{r.name}": r.layers for r in results}, f, indent=1)
     if args.json:
-        settings = {"families": args.families, "rounds": args.rounds, "batch scale": args.batch_scale,
-                    "image size": args.image_size or (64 if args.all else 32), "transformer width": args.transformer_width,
-                    "where": where, "torch": torch.__version__}
+        settings = {
+            "families": args.families,
+            "rounds": args.rounds,
+            "batch scale": args.batch_scale,
+            "image size": args.image_size or (64 if args.all else 32),
+            "transformer width": args.transformer_width,
+            "where": where,
+            "torch": torch.__version__,
+        }
         rows = [{**{k: v for k, v in asdict(r).items() if k != "layers"}, "decisions": len(r.layers)} for r in results]
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)

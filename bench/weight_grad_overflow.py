@@ -25,7 +25,10 @@ from gs_lightning.scaling import graph
 def skipped_steps(steps: int, data_root: str) -> int:
     torch.manual_seed(0)
     datamodule = VOCDataModule(
-        data_root, size=300, batch_size=4, num_workers=0,
+        data_root,
+        size=300,
+        batch_size=4,
+        num_workers=0,
         synthetic={"years": ["2007"], "n_trainval": 32, "n_test": 8, "size": [96, 128], "seed": 0},
     )
     datamodule.prepare_data()
@@ -54,7 +57,9 @@ def main() -> None:
         with mock.patch.dict(graph.WEIGHT_GRAD_BOUNDS, clear=True):
             without_bound = skipped_steps(args.steps, root)
     print("| weight-gradient bound | skipped steps |\n|---|---|")
-    print(f"| on (default) | {with_bound} / {args.steps} |\n| off (the paper's model) | {without_bound} / {args.steps} |")
+    print(
+        f"| on (default) | {with_bound} / {args.steps} |\n| off (the paper's model) | {without_bound} / {args.steps} |"
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
 from gs_lightning.data.synthetic import generated_dataset
-from gs_lightning.lightning.callback import GradientScalingCallback, InterruptCheckpoint, ResumeCallback, finished_epochs
+from gs_lightning.lightning.callback import (
+    GradientScalingCallback,
+    InterruptCheckpoint,
+    ResumeCallback,
+    finished_epochs,
+)
 from gs_lightning.lightning.plugins import FP16MixedPrecision
 from gs_lightning.scaling.scaler import GradientScaler
 
@@ -100,7 +105,11 @@ def override_hints(arguments: Sequence[str], config_dir: Path) -> list[str]:
         if override.is_add() or override.is_force_add() or override.is_delete() or override.package is not None:
             continue
         if override.key_or_group in groups:
-            value = next(iter(override.sweep_string_iterator())) if override.is_sweep_override() else override.get_value_element_as_str()
+            value = (
+                next(iter(override.sweep_string_iterator()))
+                if override.is_sweep_override()
+                else override.get_value_element_as_str()
+            )
             choices.append(f"{override.key_or_group}={value}")
         elif override.key_or_group.split(".")[0] != "hydra":
             settings.append(override)
@@ -193,7 +202,12 @@ def build(cfg: DictConfig) -> Run:
             callback.recipe = _recipe_name()
         if isinstance(callback, GradientScalingCallback) and callback.run_name is None:
             callback.run_name = _run_label(Path(cfg.paths.output_dir))
-    trainer = _instantiate(cfg.trainer, logger=_instantiate(cfg.logger), callbacks=callbacks, **precision_arguments(cfg.precision, cfg.trainer.get("strategy")))
+    trainer = _instantiate(
+        cfg.trainer,
+        logger=_instantiate(cfg.logger),
+        callbacks=callbacks,
+        **precision_arguments(cfg.precision, cfg.trainer.get("strategy")),
+    )
     return Run(trainer, task, datamodule)
 
 
@@ -286,7 +300,8 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
             f"  {'layer':<32} {'log2 scale':>10} {'log2 total':>10} {'est. underflow':>15}",
         ]
         lines += [
-            f"  {layer.name:<32} {layer.log2_scale:>10} {layer.log2_total:>10} {layer.underflow_rate:>15.2e}" for layer in layers
+            f"  {layer.name:<32} {layer.log2_scale:>10} {layer.log2_total:>10} {layer.underflow_rate:>15.2e}"
+            for layer in layers
         ]
         lines += textwrap.wrap(_SCALE_TABLE_HELP, width=100)
         ended_skipping = textwrap.wrap(_skipped_at_the_end(scaler), width=100)
@@ -309,7 +324,9 @@ def write_results(trainer: L.Trainer, metrics: dict[str, float], run_dir: Path, 
     results = {
         "recipe": _choice("recipe"),
         "precision": _choice("precision") or _precision_name(trainer),
-        "job": HydraConfig.get().job.num if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN else None,
+        "job": HydraConfig.get().job.num
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+        else None,
         "metrics": {name: value for name, value in sorted(metrics.items()) if "/" in name},
         "steps": trainer.global_step,
         "skipped_steps": callback.skipped_steps if callback is not None else None,
@@ -341,7 +358,16 @@ def comparison_table(sweep_dir: Path) -> str:
             continue
         values = [f"{results['metrics'][name]:.4f}" if name in results["metrics"] else "" for name in names]
         skipped = results["skipped_steps"]
-        rows.append([folder, results["precision"], *values, str(results["steps"]), "-" if skipped is None else str(skipped), f"{results['wall_s']:.1f}"])
+        rows.append(
+            [
+                folder,
+                results["precision"],
+                *values,
+                str(results["steps"]),
+                "-" if skipped is None else str(skipped),
+                f"{results['wall_s']:.1f}",
+            ]
+        )
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -390,11 +416,15 @@ def _skipped_at_the_end(scaler: GradientScaler) -> str:
 
 def _how_to_resume(trainer: L.Trainer) -> str:
     """Where an interrupted run stopped, what it saved, and the command line that resumes it."""
-    saved = next((c.saved for c in trainer.callbacks if isinstance(c, InterruptCheckpoint) and c.saved is not None), None)
+    saved = next(
+        (c.saved for c in trainer.callbacks if isinstance(c, InterruptCheckpoint) and c.saved is not None), None
+    )
     lines = ["", f"Interrupted at step {trainer.global_step} (epoch {trainer.current_epoch})."]
     if saved is None:
         last = getattr(trainer.checkpoint_callback, "last_model_path", "")
-        lines.append(f"No checkpoint of that step was saved (no InterruptCheckpoint callback); the last one: {last or 'none'}")
+        lines.append(
+            f"No checkpoint of that step was saved (no InterruptCheckpoint callback); the last one: {last or 'none'}"
+        )
         saved = Path(last).resolve() if last else None
     else:
         lines.append(f"Checkpoint:    {saved}")
@@ -466,15 +496,21 @@ def _check_resume(path: Path, built: Run) -> str | None:
     unreadable, not a checkpoint, or another recipe's or precision method's. Returns the line to
     print instead of training when the checkpoint's run already reached this run's limits."""
     if not path.is_file():
-        raise AppError(f"ckpt_path={path}: no such file; expected a checkpoint such as outputs/<recipe>/<precision>/<date>/checkpoints/last.ckpt")
+        raise AppError(
+            f"ckpt_path={path}: no such file; expected a checkpoint such as outputs/<recipe>/<precision>/<date>/checkpoints/last.ckpt"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except _UNREADABLE as error:
         # torch's first sentence names the fault; the rest is advice on how files get corrupted.
         reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else type(error).__name__
-        raise AppError(f"ckpt_path={path}: not a readable checkpoint, the file is truncated or corrupt ({reason})") from error
+        raise AppError(
+            f"ckpt_path={path}: not a readable checkpoint, the file is truncated or corrupt ({reason})"
+        ) from error
     if not isinstance(checkpoint, dict) or not {"state_dict", "loops"} <= checkpoint.keys():
-        raise AppError(f"ckpt_path={path}: a torch file but not a Lightning checkpoint (no 'state_dict' and 'loops'); expected a train.py run's last.ckpt")
+        raise AppError(
+            f"ckpt_path={path}: a torch file but not a Lightning checkpoint (no 'state_dict' and 'loops'); expected a train.py run's last.ckpt"
+        )
     _check_same_model(path, checkpoint, built.task)
     _check_same_precision(path, checkpoint, built.trainer)
     trainer = built.trainer
@@ -507,7 +543,9 @@ def _check_same_model(path: Path, checkpoint: dict[str, Any], task: L.LightningM
     names = (sorted(set(saved) - set(expected)) or [None])[0], (sorted(set(expected) - set(saved)) or [None])[0]
     if names != (None, None):
         what = f"holds {names[0]}, which this model lacks" if names[0] else f"lacks {names[1]}"
-        raise AppError(f"ckpt_path={path} {origin}does not fit {here}: it {what}; resume with the recipe and overrides it was trained with")
+        raise AppError(
+            f"ckpt_path={path} {origin}does not fit {here}: it {what}; resume with the recipe and overrides it was trained with"
+        )
 
 
 def _check_same_precision(path: Path, checkpoint: dict[str, Any], trainer: L.Trainer) -> None:
@@ -550,7 +588,11 @@ def _remove_empty_run_directory(run_dir: Path) -> None:
     up to the working directory."""
     if not run_dir.is_dir():
         return
-    files = [p for p in run_dir.rglob("*") if p.is_file() and not _NOT_CONTENT & {part for part in p.relative_to(run_dir).parts}]
+    files = [
+        p
+        for p in run_dir.rglob("*")
+        if p.is_file() and not _NOT_CONTENT & {part for part in p.relative_to(run_dir).parts}
+    ]
     if files:
         return
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -570,7 +612,9 @@ def _where(trainer: L.Trainer, cfg: DictConfig | None) -> list[str]:
     if cfg is not None:
         places.append(("Dataset", Path(cfg.data.root).expanduser().resolve()))
     places += [("Plot", path) for callback in trainer.callbacks for path in getattr(callback, "plot_paths", [])]
-    logs = getattr(trainer.logger, "log_dir", None) or getattr(trainer.logger, "save_dir", None)  # not trainer.log_dir: a collective call
+    logs = getattr(trainer.logger, "log_dir", None) or getattr(
+        trainer.logger, "save_dir", None
+    )  # not trainer.log_dir: a collective call
     if logs is not None:
         places.append(("Logs", Path(logs).resolve()))
     results = Path(trainer.default_root_dir) / RESULTS_FILE
@@ -603,7 +647,9 @@ def _explain(error: InstantiationException) -> AppError:
     if isinstance(cause, ImportError):
         extra = _LOGGER_EXTRAS.get(target.rsplit(".", 1)[-1])
         if extra is not None:
-            return AppError(f'{key}={extra} needs the {extra} package, which is not installed: pip install -e ".[{extra}]"')
+            return AppError(
+                f'{key}={extra} needs the {extra} package, which is not installed: pip install -e ".[{extra}]"'
+            )
         return AppError(f"{key}: a package is not installed: {cause}")
     unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
     if isinstance(cause, TypeError) and unknown and target:

@@ -22,7 +22,9 @@ def on_package(cls: type, package_name: str) -> type:
     if issubclass(cls, import_module(package_name).LightningModule):
         return cls
     (parent,) = cls.__bases__
-    base = import_module(package_name).LightningModule if parent is LightningModule else on_package(parent, package_name)
+    base = (
+        import_module(package_name).LightningModule if parent is LightningModule else on_package(parent, package_name)
+    )
     namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
     rebuilt = types.new_class(cls.__name__, (base,), exec_body=lambda ns: ns.update(namespace))
     for name, value in namespace.items():  # zero-argument super() refers to the class it was written in
@@ -36,7 +38,9 @@ def _with_class_cell(function: types.FunctionType, cls: type) -> types.FunctionT
         types.CellType(cls) if name == "__class__" else cell
         for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
     )
-    rebuilt = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, cells)
+    rebuilt = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, cells
+    )
     rebuilt.__kwdefaults__ = function.__kwdefaults__
     rebuilt.__qualname__ = function.__qualname__
     return rebuilt

@@ -90,7 +90,9 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, weights_only=True)["state_dict"]
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r in ("resnet50", "ssd512") else r for r in RECIPES])
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=pytest.mark.slow) if r in ("resnet50", "ssd512") else r for r in RECIPES]
+)
 def test_recipe_fits_validates_tests_and_resumes(recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """An epoch of two steps with validation, then the test split; then a resume from its own
     last.ckpt (loaded with weights_only=True) for one more epoch and the test again. fp32 keeps
@@ -124,7 +126,14 @@ def test_every_precision_trains_the_demo(precision: str, tmp_path_factory: pytes
     """Each precision option builds its plugin from the config, with the overrides given, and trains."""
     data_dir = tmp_path_factory.getbasetemp() / "data"
     overrides = {"gs": ["precision.update_interval=1000"], "fixed": ["precision.scale=4096"]}.get(precision, [])
-    cfg = _recipe("demo", tmp_path_factory.mktemp(precision), data_dir, f"precision={precision}", "trainer.fast_dev_run=true", *overrides)
+    cfg = _recipe(
+        "demo",
+        tmp_path_factory.mktemp(precision),
+        data_dir,
+        f"precision={precision}",
+        "trainer.fast_dev_run=true",
+        *overrides,
+    )
     built = build(cfg)
     built.trainer.fit(built.task, datamodule=built.datamodule)
     assert built.trainer.state.finished and built.trainer.global_step == 1
@@ -146,13 +155,18 @@ def test_emulated_fp8_gradients_from_the_command_line(precision: str) -> None:
         assert plugin._build_scaler(torch.nn.Linear(2, 2), "cpu").format.name == "float8_e5m2"
 
 
-@pytest.mark.parametrize(("precision", "plugin_name"), [("gs", "FSDPGradientScalingPlugin"), ("dynamic", "FSDPDynamicLossScalingPlugin")])
+@pytest.mark.parametrize(
+    ("precision", "plugin_name"), [("gs", "FSDPGradientScalingPlugin"), ("dynamic", "FSDPDynamicLossScalingPlugin")]
+)
 def test_trainer_fsdp_builds_the_precision_plugin_on_fsdp_precision(precision: str, plugin_name: str) -> None:
     """Lightning's FSDPStrategy takes only an FSDPPrecision: trainer=fsdp gets the same method built on it, options kept."""
     cfg = _compose(["trainer=fsdp", f"precision={precision}"])
     (plugin,) = precision_arguments(cfg.precision, cfg.trainer.strategy)["plugins"]
     assert type(plugin).__name__ == plugin_name and plugin.emulate == "auto"
-    with pytest.raises(AppError, match=r"trainer=fsdp takes precision=gs, dynamic, bf16 or fp32, not the plugin gs_lightning.FP16Plugin"):
+    with pytest.raises(
+        AppError,
+        match=r"trainer=fsdp takes precision=gs, dynamic, bf16 or fp32, not the plugin gs_lightning.FP16Plugin",
+    ):
         precision_arguments(_compose(["trainer=fsdp", "precision=fp16"]).precision, "fsdp")
 
 
@@ -167,7 +181,9 @@ def test_the_scaling_recipe_and_its_fields_from_the_command_line() -> None:
 
 def test_recipes_are_the_yaml_files_of_the_folder(tmp_path: Path) -> None:
     """A YAML file dropped into a recipes folder becomes `recipe=<its name>`, inheriting as written."""
-    (tmp_path / "tiny_segnet.yaml").write_text("# @package _global_\ndefaults:\n  - segnet\n  - _self_\nmodel:\n  width: 8\n")
+    (tmp_path / "tiny_segnet.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - segnet\n  - _self_\nmodel:\n  width: 8\n"
+    )
     (tmp_path / "segnet.yaml").write_text((ROOT / "recipes" / "segnet.yaml").read_text())
     assert register_recipes(tmp_path) == ["segnet", "tiny_segnet"]
     cfg = _compose(["recipe=tiny_segnet", f"paths.output_dir={tmp_path}"])
@@ -178,8 +194,12 @@ def test_recipes_are_the_yaml_files_of_the_folder(tmp_path: Path) -> None:
 def test_optimized_metric_is_what_train_py_returns() -> None:
     cfg = _compose(["paths.output_dir=x"])
     assert objective(cfg, {"test/miou": 0.5, "val/miou": 0.4}) == 0.5
-    assert objective(_compose(["paths.output_dir=x", "test=false"]), {"val/miou": 0.4}) is None  # no test, no test metric
-    with pytest.raises(AppError, match=r"optimized_metric='test/mIoU' was not logged; logged metrics: test/miou, val/miou"):
+    assert (
+        objective(_compose(["paths.output_dir=x", "test=false"]), {"val/miou": 0.4}) is None
+    )  # no test, no test metric
+    with pytest.raises(
+        AppError, match=r"optimized_metric='test/mIoU' was not logged; logged metrics: test/miou, val/miou"
+    ):
         objective(_compose(["paths.output_dir=x", "optimized_metric=test/mIoU"]), {"test/miou": 0.5, "val/miou": 0.4})
 
 
@@ -195,7 +215,9 @@ def test_skipped_step_leaves_batchnorm_statistics_as_they_were() -> None:
     forward, are put back (with a warning), so every later validation loss stays finite."""
     torch.manual_seed(0)
     model = Classifier(inf_steps=(2,), batch_norm=True, inf_inputs=True)
-    trainer = make_trainer(GradientScalingPlugin(), max_steps=6, limit_train_batches=2, limit_val_batches=2, num_sanity_val_steps=0)
+    trainer = make_trainer(
+        GradientScalingPlugin(), max_steps=6, limit_train_batches=2, limit_val_batches=2, num_sanity_val_steps=0
+    )
     with pytest.warns(RuntimeWarning, match="non-finite buffer.*restored"):
         trainer.fit(model, loader(), loader())
     assert trainer.precision_plugin.scaler.skipped_steps == 1
@@ -210,16 +232,23 @@ def test_a_run_that_ends_skipping_steps_says_where_and_that_no_scale_caused_it(i
     3 steps skipped in a row, names the first non-finite layer of the last update, and says no scale
     had been applied there; a run whose last step was taken says nothing of it."""
     torch.manual_seed(0)
-    trainer = make_trainer(GradientScalingPlugin(), max_steps=6, limit_train_batches=6, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = make_trainer(
+        GradientScalingPlugin(), max_steps=6, limit_train_batches=6, limit_val_batches=0, num_sanity_val_steps=0
+    )
     trainer.fit(Classifier(inf_steps=(3, 4, 5), inf_inputs=inf_inputs), loader())
     scaler = trainer.precision_plugin.scaler
     assert (scaler.skipped_steps, scaler.consecutive_skips) == (3, 3)
     text = " ".join(summary(trainer, {}).split())
     assert "The run ended with 3 steps skipped in a row" in text
-    assert f"the first non-finite gradient, in backward order, was at {scaler.first_non_finite} (log2 total 0), before any scale" in text
+    assert (
+        f"the first non-finite gradient, in backward order, was at {scaler.first_non_finite} (log2 total 0), before any scale"
+        in text
+    )
 
     torch.manual_seed(0)
-    trainer = make_trainer(GradientScalingPlugin(), max_steps=6, limit_train_batches=6, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = make_trainer(
+        GradientScalingPlugin(), max_steps=6, limit_train_batches=6, limit_val_batches=0, num_sanity_val_steps=0
+    )
     trainer.fit(Classifier(inf_steps=(3,), inf_inputs=inf_inputs), loader())
     assert trainer.precision_plugin.scaler.consecutive_skips == 0 and "in a row" not in summary(trainer, {})
 
@@ -231,7 +260,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
 def _train(args: list[str], tmp_path: Path, run_dir: str = "run", timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "train.py", f"hydra.run.dir={tmp_path / run_dir}", *args],
-        cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -239,7 +272,10 @@ def _train(args: list[str], tmp_path: Path, run_dir: str = "run", timeout: int =
 def test_default_run_without_arguments(tmp_path: Path) -> None:
     """`python train.py` with only a shorter schedule: generates the data, trains, tests, plots, and
     ends saying where everything is and how to read the scale table; train.log holds the same."""
-    result = _train(["trainer.max_steps=12", "trainer.check_val_every_n_epoch=1", "callbacks.gradient_scaling.log_every_n_steps=4"], tmp_path)
+    result = _train(
+        ["trainer.max_steps=12", "trainer.check_val_every_n_epoch=1", "callbacks.gradient_scaling.log_every_n_steps=4"],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "test/miou" in out and "Per-layer gradient scales" in out and "classifier.cast" in out
@@ -274,11 +310,16 @@ def _kill_mid_epoch(args: list[str], tmp_path: Path, epoch: int, batch: int) -> 
     tqdm = "+callbacks.progress_bar={_target_: lightning.pytorch.callbacks.TQDMProgressBar}"
     process = subprocess.Popen(
         [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'killed'}", *args, tqdm],
-        cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     seen = bytearray()
     mark = re.compile(rf"Epoch {epoch}: +\d+%\|[^|]*\| {batch}/".encode())  # tqdm: "Epoch 2:  50%|█████     | 2/4"
-    reader = threading.Thread(target=lambda: [seen.extend(chunk) for chunk in iter(lambda: process.stdout.read1(4096), b"")])
+    reader = threading.Thread(
+        target=lambda: [seen.extend(chunk) for chunk in iter(lambda: process.stdout.read1(4096), b"")]
+    )
     reader.start()
     deadline = time.monotonic() + 240
     while not mark.search(seen) and process.poll() is None and time.monotonic() < deadline:
@@ -322,9 +363,14 @@ def _error(overrides: list[str], tmp_path: Path) -> str:
     return message
 
 
-def test_missing_dataset_names_the_absolute_path_and_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_dataset_names_the_absolute_path_and_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
-    message = _error(["recipe=ssd300", "data.root=data", "model.pretrained=false", "model.width_mult=0.03125", "data.num_workers=0"], tmp_path)
+    message = _error(
+        ["recipe=ssd300", "data.root=data", "model.pretrained=false", "model.width_mult=0.03125", "data.num_workers=0"],
+        tmp_path,
+    )
     voc = tmp_path / "data" / "VOCdevkit" / "VOC2007"
     assert f"VOC year folder {voc} not found" in message and f"data.root={tmp_path / 'data'}" in message
 
@@ -339,7 +385,9 @@ def test_demo_refuses_a_data_root_that_does_not_exist(tmp_path: Path) -> None:
     assert not (tmp_path / "no").exists()
 
 
-def test_where_the_data_comes_from_and_a_real_recipe_on_generated_data(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_where_the_data_comes_from_and_a_real_recipe_on_generated_data(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """One line says where the data comes from: generated for the demo, the folder for a real
     recipe; a real recipe pointed at a folder the generator wrote (its marker file) warns."""
     from gs_lightning.app import _say_where_the_data_comes_from
@@ -347,9 +395,17 @@ def test_where_the_data_comes_from_and_a_real_recipe_on_generated_data(tmp_path:
     generated = write_synthetic_camvid(tmp_path / "camvid", n_train=2, n_val=1, n_test=1, size=(12, 16), seed=0)
     (tmp_path / "real").mkdir()
     cases = {
-        "demo": ([f"paths.cache_dir={tmp_path}", "data.root=${paths.cache_dir}/camvid"], "INFO", "Data: generated, seeded, in CamVid's on-disk layout (n_train=96,"),
+        "demo": (
+            [f"paths.cache_dir={tmp_path}", "data.root=${paths.cache_dir}/camvid"],
+            "INFO",
+            "Data: generated, seeded, in CamVid's on-disk layout (n_train=96,",
+        ),
         "real": (["recipe=segnet", f"data.root={tmp_path / 'real'}"], "INFO", f"Data: CamVid from {tmp_path / 'real'}"),
-        "generated": (["recipe=segnet", f"data.root={generated}"], "WARNING", f"warning: data.root={generated} holds generated data (.synthetic.json records n_train=2, n_val=1, n_test=1, size=[12, 16], seed=0), not the real CamVid: this recipe (trainer.max_steps=16000) trains on the generated set"),
+        "generated": (
+            ["recipe=segnet", f"data.root={generated}"],
+            "WARNING",
+            f"warning: data.root={generated} holds generated data (.synthetic.json records n_train=2, n_val=1, n_test=1, size=[12, 16], seed=0), not the real CamVid: this recipe (trainer.max_steps=16000) trains on the generated set",
+        ),
     }
     for name, (overrides, level, expected) in cases.items():
         cfg = _compose([f"paths.output_dir={tmp_path / 'out'}", *QUIET, "model.width=4", *overrides])
@@ -367,7 +423,10 @@ def test_batch_size_out_of_range(tmp_path: Path) -> None:
 
 def test_unknown_synthetic_key_lists_the_valid_ones(tmp_path: Path) -> None:
     message = _error(["++data.synthetic.n_tran=5"], tmp_path)
-    assert message == "error: data: synthetic has unknown key(s) ['n_tran']; valid keys: n_train, n_val, n_test, size, seed"
+    assert (
+        message
+        == "error: data: synthetic has unknown key(s) ['n_tran']; valid keys: n_train, n_val, n_test, size, seed"
+    )
 
 
 def test_unknown_setting_lists_the_valid_ones(tmp_path: Path) -> None:
@@ -375,7 +434,9 @@ def test_unknown_setting_lists_the_valid_ones(tmp_path: Path) -> None:
     assert message.startswith("error: model: unknown setting 'depth'; valid settings: num_classes,")
 
 
-def test_missing_pretrained_weights_say_where_to_put_them_and_leave_no_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_pretrained_weights_say_where_to_put_them_and_leave_no_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The message names the override (model.pretrained=...), and the run directory Hydra made
     (outputs/ssd300/gs/<date>, with its .hydra files) goes with the folders above it."""
     monkeypatch.chdir(tmp_path)
@@ -383,25 +444,41 @@ def test_missing_pretrained_weights_say_where_to_put_them_and_leave_no_folders(t
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "config.yaml").write_text("{}")
     with pytest.raises(SystemExit) as info:
-        run(_compose([f"paths.output_dir={run_dir}", *QUIET, "recipe=ssd300", f"model.pretrained={tmp_path / 'vgg16.pth'}"]))
+        run(
+            _compose(
+                [f"paths.output_dir={run_dir}", *QUIET, "recipe=ssd300", f"model.pretrained={tmp_path / 'vgg16.pth'}"]
+            )
+        )
     message = info.value.code
-    assert str(tmp_path / "vgg16.pth") in message and message.endswith("or pass its path as model.pretrained=..."), message
+    assert str(tmp_path / "vgg16.pth") in message and message.endswith("or pass its path as model.pretrained=..."), (
+        message
+    )
     assert not Path("outputs").exists() and tmp_path.is_dir()
 
 
 # Where Lightning looks for each logger's package: as if not installed when these requirements fail.
 MISSING = {
     "wandb": ["lightning.pytorch.loggers.wandb._WANDB_AVAILABLE"],
-    "tensorboard": ["lightning.fabric.loggers.tensorboard._TENSORBOARD_AVAILABLE", "lightning.fabric.loggers.tensorboard._TENSORBOARDX_AVAILABLE"],
+    "tensorboard": [
+        "lightning.fabric.loggers.tensorboard._TENSORBOARD_AVAILABLE",
+        "lightning.fabric.loggers.tensorboard._TENSORBOARDX_AVAILABLE",
+    ],
 }
 
 
 @pytest.mark.parametrize("logger", sorted(MISSING))
-def test_logger_without_its_package_names_the_extra(logger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_logger_without_its_package_names_the_extra(
+    logger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for flag in MISSING[logger]:
         monkeypatch.setattr(flag, RequirementCache("not-installed>=1000"))
-    message = _error([f"logger={logger}", *(["logger.name=run"] if logger == "wandb" else [])], tmp_path)  # W&B's default name needs a Hydra run
-    assert message == f'error: logger={logger} needs the {logger} package, which is not installed: pip install -e ".[{logger}]"'
+    message = _error(
+        [f"logger={logger}", *(["logger.name=run"] if logger == "wandb" else [])], tmp_path
+    )  # W&B's default name needs a Hydra run
+    assert (
+        message
+        == f'error: logger={logger} needs the {logger} package, which is not installed: pip install -e ".[{logger}]"'
+    )
 
 
 def test_corrupt_image_with_workers_is_one_line(tmp_path: Path) -> None:
@@ -419,7 +496,9 @@ def test_a_mistyped_key_exits_as_hydra_does_and_names_the_nearest_valid_one(tmp_
     """As a user sees it: Hydra's message and exit status, then the key meant."""
     result = _train(["trainer.max_epoch=3"], tmp_path, timeout=120)
     assert result.returncode == 1 and "Could not override 'trainer.max_epoch'" in result.stderr
-    assert result.stderr.rstrip().endswith("Did you mean trainer.max_epochs=3 or trainer.max_steps=3? (trainer has no key 'max_epoch'; a leading + would add one that nothing reads)")
+    assert result.stderr.rstrip().endswith(
+        "Did you mean trainer.max_epochs=3 or trainer.max_steps=3? (trainer has no key 'max_epoch'; a leading + would add one that nothing reads)"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -427,15 +506,28 @@ def test_a_mistyped_key_exits_as_hydra_does_and_names_the_nearest_valid_one(tmp_
     ("arguments", "hint"),
     [
         (["trainr.max_epochs=3"], "Did you mean trainer.max_epochs=3? (the config has no key 'trainr';"),
-        (["recipe=ssd300", "model.pretraind=false"], "Did you mean model.pretrained=false? (model has no key 'pretraind';"),
-        (["-m", "precision=dynamic,gs", "precision.growth_intervall=10"], "Did you mean precision.growth_interval=10? (precision has no key"),
-        (["recipe=demo", "callbacks.gradient_scaling.zzz=1"], "callbacks.gradient_scaling has no key 'zzz'; its keys: _target_, log_every_n_steps"),
+        (
+            ["recipe=ssd300", "model.pretraind=false"],
+            "Did you mean model.pretrained=false? (model has no key 'pretraind';",
+        ),
+        (
+            ["-m", "precision=dynamic,gs", "precision.growth_intervall=10"],
+            "Did you mean precision.growth_interval=10? (precision has no key",
+        ),
+        (
+            ["recipe=demo", "callbacks.gradient_scaling.zzz=1"],
+            "callbacks.gradient_scaling has no key 'zzz'; its keys: _target_, log_every_n_steps",
+        ),
     ],
     ids=["top level", "in the recipe's group", "in a sweep's first choice", "none near"],
 )
 def test_override_hints_at_the_level_of_the_mistyped_part(arguments: list[str], hint: str) -> None:
     assert [line[: len(hint)] for line in override_hints(arguments, ROOT / "conf")] == [hint]
-    valid = [argument for argument in arguments if "." not in argument] + ["trainer.max_steps=3", "+anything=1", "hydra.run.dir=x"]
+    valid = [argument for argument in arguments if "." not in argument] + [
+        "trainer.max_steps=3",
+        "+anything=1",
+        "hydra.run.dir=x",
+    ]
     assert override_hints(valid, ROOT / "conf") == []
 
 
@@ -449,14 +541,24 @@ def test_bad_values_exit_without_traceback(tmp_path: Path) -> None:
 
 def _demo_like(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
     """The demo's recipe (max_steps set, validation every 10 epochs) on 3 steps per epoch."""
-    return _compose([
-        f"paths.output_dir={out}", *QUIET, f"paths.cache_dir={data_dir}", "data.root=${paths.cache_dir}/camvid6",
-        "++data.synthetic={n_train: 6, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
-        "data.batch_size=2", "data.num_workers=0", "model.width=4", *overrides,
-    ])
+    return _compose(
+        [
+            f"paths.output_dir={out}",
+            *QUIET,
+            f"paths.cache_dir={data_dir}",
+            "data.root=${paths.cache_dir}/camvid6",
+            "++data.synthetic={n_train: 6, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
+            "data.batch_size=2",
+            "data.num_workers=0",
+            "model.width=4",
+            *overrides,
+        ]
+    )
 
 
-def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A demo-like run of 3 epochs (9 steps), resumed from its last.ckpt with max_epochs=4 or
     max_steps=12, trains exactly epoch 3 and ends bit-identical to a run of 4 epochs, as does a run
     that stopped in the middle of epoch 2 (max_steps=7); resumed with the limits it already
@@ -467,7 +569,11 @@ def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_ru
     final = _weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
     run(_demo_like(tmp_path / "mid_epoch", tmp_path, "trainer.max_steps=7"))
     mid_epoch = tmp_path / "mid_epoch" / "checkpoints" / "last.ckpt"
-    for checkpoint, limit in ((first, "trainer.max_epochs=4"), (first, "trainer.max_steps=12"), (mid_epoch, "trainer.max_steps=12")):
+    for checkpoint, limit in (
+        (first, "trainer.max_epochs=4"),
+        (first, "trainer.max_steps=12"),
+        (mid_epoch, "trainer.max_steps=12"),
+    ):
         out = tmp_path / f"{checkpoint.parents[1].name}-{limit.replace('=', '_')}"
         metrics = run(_demo_like(out, tmp_path, limit, f"ckpt_path={checkpoint}"))
         resumed = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
@@ -476,7 +582,10 @@ def test_extending_a_finished_run_by_epochs_or_steps_matches_an_uninterrupted_ru
         assert metrics["test/miou"] == straight["test/miou"]
     with caplog.at_level("INFO", logger="gs_lightning.app"):
         assert run(_demo_like(tmp_path / "again", tmp_path, "trainer.max_epochs=3", f"ckpt_path={first}")) == {}
-    assert "Nothing to train: the run of ckpt_path=" in caplog.text and "already reached trainer.max_epochs=3" in caplog.text
+    assert (
+        "Nothing to train: the run of ckpt_path=" in caplog.text
+        and "already reached trainer.max_epochs=3" in caplog.text
+    )
     assert not (tmp_path / "again" / "checkpoints").exists()
 
 
@@ -491,7 +600,9 @@ class InterruptAtStep(Callback):
             raise KeyboardInterrupt
 
 
-def test_ctrl_c_saves_the_interrupted_step_and_says_how_to_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_ctrl_c_saves_the_interrupted_step_and_says_how_to_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A demo-like run interrupted at step 4 (the first batch of epoch 2, 3 batches an epoch) exits 1
     as Lightning does, with interrupted.ckpt at step 4 in its run directory and the command line
     that resumes it; resumed to 9 steps, it ends with the weights of an uninterrupted run."""
@@ -510,14 +621,18 @@ def test_ctrl_c_saves_the_interrupted_step_and_says_how_to_resume(tmp_path: Path
     assert f"Run directory: {tmp_path / 'interrupted'}" in caplog.text
     assert f"Resume:        python train.py ckpt_path={checkpoint}" in caplog.text
 
-    resumed = run(_demo_like(tmp_path / "resumed", tmp_path, "trainer.max_steps=9", "test=false", f"ckpt_path={checkpoint}"))
+    resumed = run(
+        _demo_like(tmp_path / "resumed", tmp_path, "trainer.max_steps=9", "test=false", f"ckpt_path={checkpoint}")
+    )
     final = [_weights(tmp_path / name / "checkpoints" / "last.ckpt") for name in ("straight", "resumed")]
     assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 9
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     assert resumed["train/loss"] == straight["train/loss"]
 
 
-def test_each_run_writes_its_results_and_a_multirun_ends_with_one_table(tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture) -> None:
+def test_each_run_writes_its_results_and_a_multirun_ends_with_one_table(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+) -> None:
     """Runs in a sweep folder as Hydra makes them (gs, dynamic, fp32, and one that failed): each run
     writes results.json (a dynamic run: its loss scale and skipped steps, also in its summary), and
     the multirun's end prints one table of them all and writes it to comparison.md."""
@@ -525,17 +640,35 @@ def test_each_run_writes_its_results_and_a_multirun_ends_with_one_table(tmp_path
     for num, precision in enumerate(["gs", "dynamic", "fp32"]):
         (sweep / f"demo-{precision}-{num}" / ".hydra").mkdir(parents=True)
         with caplog.at_level("INFO", logger="gs_lightning.app"):
-            run(_demo_like(sweep / f"demo-{precision}-{num}", tmp_path, f"precision={precision}", "trainer.max_steps=2", "test=false"))
+            run(
+                _demo_like(
+                    sweep / f"demo-{precision}-{num}",
+                    tmp_path,
+                    f"precision={precision}",
+                    "trainer.max_steps=2",
+                    "test=false",
+                )
+            )
     (sweep / "demo-fixed-3" / ".hydra").mkdir(parents=True)
     assert "Loss scale at the end: 2^16 (GradScaler); 0 of 2 steps skipped (non-finite gradients)" in caplog.text
     dynamic = json.loads((sweep / "demo-dynamic-1" / "results.json").read_text())
-    assert (dynamic["precision"], dynamic["steps"], dynamic["skipped_steps"], dynamic["loss_scale"]) == ("DynamicLossScalingPlugin", 2, 0, 65536.0)
+    assert (dynamic["precision"], dynamic["steps"], dynamic["skipped_steps"], dynamic["loss_scale"]) == (
+        "DynamicLossScalingPlugin",
+        2,
+        0,
+        65536.0,
+    )
     assert set(dynamic["metrics"]) == {"train/loss"} and dynamic["wall_s"] > 0
 
     RunComparison().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
     table = (sweep / "comparison.md").read_text().splitlines()
     assert table[0] == "| run | precision | train/loss | steps | skipped steps | wall (s) |"
-    assert [row.split(" | ")[:2] for row in table[2:]] == [["| demo-dynamic-1", "DynamicLossScalingPlugin"], ["| demo-fp32-2", "32-true"], ["| demo-gs-0", "GradientScalingPlugin"], ["| demo-fixed-3", ""]]
+    assert [row.split(" | ")[:2] for row in table[2:]] == [
+        ["| demo-dynamic-1", "DynamicLossScalingPlugin"],
+        ["| demo-fp32-2", "32-true"],
+        ["| demo-gs-0", "GradientScalingPlugin"],
+        ["| demo-fixed-3", ""],
+    ]
     assert [row.split(" | ")[4] for row in table[2:5]] == ["0", "-", "0"] and "no results.json" in table[5]
     assert "\n".join(table) in capsys.readouterr().out
 
@@ -554,8 +687,14 @@ def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> No
         "missing": ([f"ckpt_path={tmp_path / 'nope.ckpt'}"], "no such file"),
         "truncated": ([f"ckpt_path={truncated}"], "not a readable checkpoint, the file is truncated or corrupt ("),
         "not a checkpoint": ([f"ckpt_path={not_a_checkpoint}"], "a torch file but not a Lightning checkpoint"),
-        "another model": ([f"ckpt_path={good}", "model.width=8"], "is [4, 3, 3, 3] in the checkpoint and [8, 3, 3, 3] here"),
-        "another precision": ([f"ckpt_path={good}", "precision=dynamic"], "holds the scaler state of GradientScalingPlugin but this run's precision plugin is DynamicLossScalingPlugin"),
+        "another model": (
+            [f"ckpt_path={good}", "model.width=8"],
+            "is [4, 3, 3, 3] in the checkpoint and [8, 3, 3, 3] here",
+        ),
+        "another precision": (
+            [f"ckpt_path={good}", "precision=dynamic"],
+            "holds the scaler state of GradientScalingPlugin but this run's precision plugin is DynamicLossScalingPlugin",
+        ),
     }
     for name, (overrides, expected) in cases.items():
         out = tmp_path / name

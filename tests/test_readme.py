@@ -28,8 +28,14 @@ GUIDE = ROOT / "docs" / "guide"
 API = ROOT / "docs" / "api"
 SECTION = "## Use it in your code"
 PYTHON_BLOCK = r"```python\n(.*?)```"
-PUBLIC_PACKAGES = ("gs_lightning", "gs_lightning.lightning", "gs_lightning.fabric", "gs_lightning.simulate",
-                   "gs_lightning.scaling", "gs_lightning.integrations")
+PUBLIC_PACKAGES = (
+    "gs_lightning",
+    "gs_lightning.lightning",
+    "gs_lightning.fabric",
+    "gs_lightning.simulate",
+    "gs_lightning.scaling",
+    "gs_lightning.integrations",
+)
 
 
 def snippets() -> tuple[str, list[str]]:
@@ -64,7 +70,9 @@ def test_every_python_block_of_the_readme_is_in_the_section_the_tests_run() -> N
     assert len(re.findall(PYTHON_BLOCK, README.read_text(), flags=re.DOTALL)) == 1 + len(SNIPPETS)
 
 
-@pytest.mark.parametrize("snippet", [variant for _, variant in CASES], ids=[variant.splitlines()[0][:40] for _, variant in CASES])
+@pytest.mark.parametrize(
+    "snippet", [variant for _, variant in CASES], ids=[variant.splitlines()[0][:40] for _, variant in CASES]
+)
 def test_snippet_runs_and_scales_every_batch(snippet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
@@ -116,7 +124,9 @@ def documented_names() -> set[str]:
     ``members: false``), a ``::: module.Name`` directive that one name."""
     names = set()
     for path in API.glob("*.md"):
-        for match in re.finditer(r"^::: (?P<target>\S+)\n(?P<options>(?:    .*\n)*)", path.read_text(), flags=re.MULTILINE):
+        for match in re.finditer(
+            r"^::: (?P<target>\S+)\n(?P<options>(?:    .*\n)*)", path.read_text(), flags=re.MULTILINE
+        ):
             target = match.group("target")
             try:
                 module = importlib.import_module(target)
@@ -135,7 +145,9 @@ def test_every_public_name_is_in_the_api_reference(package: str) -> None:
 
 
 def test_the_results_pages_are_what_the_recorded_runs_give() -> None:
-    check = subprocess.run([sys.executable, "bench/docs_results.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "bench/docs_results.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stderr
 
 

@@ -220,13 +220,15 @@ class FidelityProbe:
             grad = self._grad(p) / unscale
             nonzero = ref != 0
             rows.append(
-                torch.stack([
-                    (grad - ref).double().pow(2).sum(),
-                    ref.double().pow(2).sum(),
-                    nonzero.sum().double(),
-                    (nonzero & (grad == 0)).sum().double(),
-                    ref.abs().max().double(),
-                ])
+                torch.stack(
+                    [
+                        (grad - ref).double().pow(2).sum(),
+                        ref.double().pow(2).sum(),
+                        nonzero.sum().double(),
+                        (nonzero & (grad == 0)).sum().double(),
+                        ref.abs().max().double(),
+                    ]
+                )
             )
         # All statistics reach the host in one transfer.
         stats = torch.stack(rows).tolist() if rows else []

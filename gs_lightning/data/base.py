@@ -83,9 +83,13 @@ class ImageDataModule(L.LightningDataModule):
         # that checkpoints load with torch's weights_only=True.
         self.save_hyperparameters()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a whole number >= 1 (samples per device and step), got {batch_size!r}")
+            raise ValueError(
+                f"batch_size must be a whole number >= 1 (samples per device and step), got {batch_size!r}"
+            )
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be a whole number >= 0 (0 loads in the main process), got {num_workers!r}")
+            raise ValueError(
+                f"num_workers must be a whole number >= 0 (0 loads in the main process), got {num_workers!r}"
+            )
         if synthetic is not None:
             check_keywords(self.synthetic_writer(), synthetic, "synthetic")
         self.root = Path(root).expanduser().absolute()  # errors name the folder wherever the run started

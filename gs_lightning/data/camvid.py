@@ -162,7 +162,6 @@ def median_frequency_weights(
     return torch.from_numpy(weights).float()
 
 
-
 class CamVidDataModule(ImageDataModule):
     """CamVid train/val/test loaders with SegNet-style augmentation.
 

@@ -64,7 +64,6 @@ def _image_folder(split_dir: Path, transform: v2.Transform) -> ImageFolder:
         raise DatasetError(f"{split_dir}: {err}; {EXPECTED_LAYOUT}") from err
 
 
-
 class ImageNetDataModule(ImageDataModule):
     """ImageNet loaders with the standard ResNet augmentation (as Goyal et al. and torchvision).
 

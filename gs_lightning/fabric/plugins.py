@@ -32,7 +32,9 @@ from gs_lightning.fabric.packages import FABRIC_PRECISIONS
 from gs_lightning.scaling.attached import is_fsdp1_unit
 
 # Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
-_FABRIC_FSDP_PRECISIONS: tuple[type, ...] = tuple(import_module(cls.__module__.rpartition(".")[0]).FSDPPrecision for cls in FABRIC_PRECISIONS)
+_FABRIC_FSDP_PRECISIONS: tuple[type, ...] = tuple(
+    import_module(cls.__module__.rpartition(".")[0]).FSDPPrecision for cls in FABRIC_PRECISIONS
+)
 
 # Wrappers whose engine runs the backward and the optimizer step with a loss scale of its own: the
 # plugins' scaled backward and skipped steps would bypass it (DeepSpeed's ZeRO reduction and overflow check).
@@ -69,14 +71,14 @@ def refuse_unsupported_parallelism(plugin: object, *wrappers: object) -> None:
             )
         for module in wrapper.modules() if isinstance(wrapper, nn.Module) else ():
             policy = module.mixed_precision if is_fsdp1_unit(module) else None
-            if policy is not None and (policy.param_dtype in _FLUSHING_DTYPES or policy.reduce_dtype in _FLUSHING_DTYPES):
+            if policy is not None and (
+                policy.param_dtype in _FLUSHING_DTYPES or policy.reduce_dtype in _FLUSHING_DTYPES
+            ):
                 raise ValueError(
                     f"{name}: FSDP's MixedPrecision(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}) "
                     "computes or reduces the gradients in float16 after they were unscaled, which flushes the small ones; "
                     "leave both float32 (the plugin's mixed_precision_config: autocast computes in float16)."
                 )
-
-
 
 
 def fp32_sharding_policy() -> Any:
@@ -110,7 +112,9 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         self.device = device
         self._modules: list[nn.Module] = []
         self._scaler: Scaler | None = None
-        self._checked_wrappers: set[int] = set()  # ids of the strategy-wrapped models refuse_unsupported_parallelism passed
+        self._checked_wrappers: set[int] = (
+            set()
+        )  # ids of the strategy-wrapped models refuse_unsupported_parallelism passed
 
     @property
     def scaler(self) -> Scaler:
@@ -127,7 +131,9 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
 
     def _set_up_module(self) -> nn.Module:
         if not self._modules:
-            raise RuntimeError(f"{type(self).__name__}: the scaler is built for the model; call fabric.setup(model) first.")
+            raise RuntimeError(
+                f"{type(self).__name__}: the scaler is built for the model; call fabric.setup(model) first."
+            )
         return self._modules[0]
 
     def _device_type(self) -> str:
@@ -215,7 +221,9 @@ class FSDPMixedPrecision(FP16MixedPrecision, *_FABRIC_FSDP_PRECISIONS):  # type:
 
     def __init__(self, device: str | None = None) -> None:
         super().__init__(device)
-        self._desired_input_dtype = torch.float32  # FSDPPrecision's dtype for tensor_init_context and module_init_context
+        self._desired_input_dtype = (
+            torch.float32
+        )  # FSDPPrecision's dtype for tensor_init_context and module_init_context
 
     @property
     def mixed_precision_config(self) -> Any:

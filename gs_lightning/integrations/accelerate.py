@@ -58,8 +58,12 @@ def install_gradient_scaler(accelerator: Accelerator, scaler: ScalerT) -> Scaler
             gradients itself (DeepSpeed, Megatron-LM, FSDP, XLA).
     """
     if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"install_gradient_scaler: expected an accelerate.Accelerator, got {type(accelerator).__name__}")
-    missing = [m for m in ("scale", "unscale_", "step", "update", "state_dict", "load_state_dict") if not hasattr(scaler, m)]
+        raise TypeError(
+            f"install_gradient_scaler: expected an accelerate.Accelerator, got {type(accelerator).__name__}"
+        )
+    missing = [
+        m for m in ("scale", "unscale_", "step", "update", "state_dict", "load_state_dict") if not hasattr(scaler, m)
+    ]
     if missing:
         raise TypeError(
             f"install_gradient_scaler: expected a GradientScaler or torch.amp.GradScaler, got {type(scaler).__name__} "

@@ -62,7 +62,9 @@ class TimmGradientScaler:
             ValueError: if ``clip_grad`` is given without the ``parameters`` to clip.
         """
         if need_update and clip_grad is not None and parameters is None:
-            raise ValueError("TimmGradientScaler: clip_grad needs the parameters to clip (parameters=model.parameters())")
+            raise ValueError(
+                "TimmGradientScaler: clip_grad needs the parameters to clip (parameters=model.parameters())"
+            )
         self.scaler.scale(loss).backward(create_graph=create_graph)
         if need_update:
             if clip_grad is not None:

@@ -85,7 +85,9 @@ class GradientScalingCallback(Callback):
 
     def __init__(self, log_every_n_steps: int = 100, run_name: str | None = None) -> None:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ValueError(f"GradientScalingCallback: log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
+            raise ValueError(
+                f"GradientScalingCallback: log_every_n_steps must be a positive integer, got {log_every_n_steps!r}"
+            )
         self.log_every_n_steps = log_every_n_steps
         self.run_name = run_name
         self.update_steps: list[int] = []
@@ -111,7 +113,9 @@ class GradientScalingCallback(Callback):
         self._scaler = plugin.scaler if isinstance(plugin, GradientScalingPlugin) else None
         self._loss_scaler = plugin.scaler if isinstance(plugin, FP16MixedPrecision) and self._scaler is None else None
         if self._loss_scaler is not None:
-            self._step_hooks = [optimizer.register_step_post_hook(self._optimizer_stepped) for optimizer in trainer.optimizers]
+            self._step_hooks = [
+                optimizer.register_step_post_hook(self._optimizer_stepped) for optimizer in trainer.optimizers
+            ]
         elif self._scaler is None and not self._warned:
             self._warned = True
             rank_zero_warn(
@@ -198,7 +202,9 @@ class GradientScalingCallback(Callback):
                     f"GradientScalingCallback: {type(logger).__name__} got the scale scalars; it is not a logger "
                     f"this callback knows (W&B, TensorBoard, CSV), so the plots are only in {out}"
                 )
-        rank_zero_info(f"GradientScalingCallback: wrote {', '.join(str(p) for p in [*self.plot_paths, self.history_path])}")
+        rank_zero_info(
+            f"GradientScalingCallback: wrote {', '.join(str(p) for p in [*self.plot_paths, self.history_path])}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -220,7 +226,11 @@ class GradientScalingCallback(Callback):
         logger = trainer.logger
         if run is None and logger is not None and logger.name:
             version = logger.version
-            run = logger.name if version is None else f"{logger.name}/{f'version_{version}' if isinstance(version, int) else version}"
+            run = (
+                logger.name
+                if version is None
+                else f"{logger.name}/{f'version_{version}' if isinstance(version, int) else version}"
+            )
         plugin = trainer.precision_plugin
         grads = f"{str(getattr(plugin, 'grad_dtype', 'float16')).removeprefix('torch.')} gradients"
         emulated = ", emulated" if getattr(plugin, "emulate", False) is True else ""
@@ -241,7 +251,13 @@ class GradientScalingCallback(Callback):
         metrics = {f"gs/scale/{layer.name}": float(layer.log2_scale) for layer in layers}
         metrics.update({f"gs/total/{layer.name}": float(layer.log2_total) for layer in layers})
         metrics.update({f"gs/underflow/{layer.name}": layer.underflow_rate for layer in layers})
-        metrics.update({f"gs/underflow/{layer.name}/measured": layer.measured_underflow for layer in layers if layer.measured_underflow is not None})
+        metrics.update(
+            {
+                f"gs/underflow/{layer.name}/measured": layer.measured_underflow
+                for layer in layers
+                if layer.measured_underflow is not None
+            }
+        )
         if math.isfinite(scaler.drift.drift_log2):
             metrics["gs/drift"] = scaler.drift.drift_log2
         if math.isfinite(scaler.drift.surprise_log2):
@@ -389,7 +405,9 @@ class ResumeCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe}
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # Callbacks see the checkpoint before the Trainer restores its loops from it.
         fit_loop = checkpoint.get("loops", {}).get("fit_loop")
         self._resumed_finished_epoch = fit_loop is not None and settle_epoch_progress(fit_loop)
@@ -448,7 +466,9 @@ def settle_epoch_progress(fit_loop: dict[str, Any]) -> bool:
 
 def finished_epochs(checkpoint: dict[str, Any]) -> int:
     """How many epochs the run that wrote ``checkpoint`` had finished (all their batches trained)."""
-    fit_loop = {key: dict(value) if isinstance(value, dict) else value for key, value in checkpoint["loops"]["fit_loop"].items()}
+    fit_loop = {
+        key: dict(value) if isinstance(value, dict) else value for key, value in checkpoint["loops"]["fit_loop"].items()
+    }
     fit_loop["epoch_progress"] = {kind: dict(counts) for kind, counts in fit_loop["epoch_progress"].items()}
     settle_epoch_progress(fit_loop)
     return int(fit_loop["epoch_progress"]["current"]["completed"])

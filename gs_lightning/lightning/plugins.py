@@ -43,7 +43,9 @@ from gs_lightning.lightning.packages import LIGHTNING_MODULES, PACKAGES, package
 from gs_lightning.lightning.schedulers import SkipAwareScheduler
 
 # Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
-_FSDP_PRECISIONS: tuple[type, ...] = tuple(import_module(f"{package.name}.plugins.precision").FSDPPrecision for package in PACKAGES)
+_FSDP_PRECISIONS: tuple[type, ...] = tuple(
+    import_module(f"{package.name}.plugins.precision").FSDPPrecision for package in PACKAGES
+)
 
 
 class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type: ignore[misc]
@@ -73,7 +75,9 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
     def scaler(self) -> Scaler:
         """The scaling method's scaler (exists once a Trainer has connected the plugin)."""
         if self._scaler is None:
-            raise RuntimeError(f"{type(self).__name__}: the scaler is built when a Trainer connects the plugin (at fit).")
+            raise RuntimeError(
+                f"{type(self).__name__}: the scaler is built when a Trainer connects the plugin (at fit)."
+            )
         return self._scaler
 
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -101,7 +105,9 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
     def forward_context(self) -> Generator[None, None, None]:
         """fp16 autocast on the model's device type."""
         if self._autocast_device is None:
-            raise RuntimeError(f"{type(self).__name__}: no device yet; pass `device=` or let the Trainer connect the plugin.")
+            raise RuntimeError(
+                f"{type(self).__name__}: no device yet; pass `device=` or let the Trainer connect the plugin."
+            )
         # Lightning's MixedPrecision autocast settings, so that side-by-side runs differ only in scaling.
         with self.emulation(), torch.autocast(self._autocast_device, dtype=torch.float16, cache_enabled=False):  # type: ignore[attr-defined]
             yield

@@ -36,9 +36,7 @@ class SegmentationMetrics(Metric):
         super().__init__(**kwargs)
         self.num_classes = num_classes
         self.ignore_index = ignore_index
-        self.add_state(
-            "confmat", default=torch.zeros(num_classes, num_classes, dtype=torch.long), dist_reduce_fx="sum"
-        )
+        self.add_state("confmat", default=torch.zeros(num_classes, num_classes, dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Add a batch.
@@ -60,8 +58,7 @@ class SegmentationMetrics(Metric):
         for name, values in (("target", target), ("preds", preds)):
             if values.min() < 0 or values.max() >= self.num_classes:
                 raise ValueError(
-                    f"{name} holds class indices outside [0, {self.num_classes}) "
-                    f"(ignore_index={self.ignore_index})"
+                    f"{name} holds class indices outside [0, {self.num_classes}) (ignore_index={self.ignore_index})"
                 )
         pairs = target.long() * self.num_classes + preds.long()
         counts = torch.bincount(pairs, minlength=self.num_classes**2)

@@ -38,15 +38,11 @@ class SegNetBasic(nn.Module):
         kernel_size: size of the encoder/decoder convolutions (7 in SegNet-Basic).
     """
 
-    def __init__(
-        self, num_classes: int = 11, in_channels: int = 3, width: int = 64, kernel_size: int = 7
-    ) -> None:
+    def __init__(self, num_classes: int = 11, in_channels: int = 3, width: int = 64, kernel_size: int = 7) -> None:
         super().__init__()
         self.lrn = nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=1.0)
         self.encoders = nn.ModuleList(
-            nn.Sequential(
-                *_conv_bn(in_channels if i == 0 else width, width, kernel_size), nn.ReLU(inplace=True)
-            )
+            nn.Sequential(*_conv_bn(in_channels if i == 0 else width, width, kernel_size), nn.ReLU(inplace=True))
             for i in range(4)
         )
         self.pool = nn.MaxPool2d(2, stride=2, ceil_mode=True, return_indices=True)

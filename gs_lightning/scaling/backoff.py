@@ -46,14 +46,18 @@ class SkipBackoff:
             plan, analysis, reading = scales.plans.get(()), scales.analyses.get(()), scales.drift.last
             known = plan is not None and analysis is not None and reading.some_overflowed
             caps = overflow_caps(analysis, plan, reading.non_finite, recipe.backoff_bits) if known else {}
-            scales.drift.keep_overflows_of(overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset())
+            scales.drift.keep_overflows_of(
+                overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset()
+            )
             if caps:  # the overflowing layers are known: lower those only
                 scales.layer_backoff.lower(caps, scales.backwards, recipe.min_backoff_log2)
                 named = True
             scales.last_skip = scales.backwards
             scales.force_update = True
         if not named:
-            largest = max((a for scales in ran for plan in scales.plans.values() for a in plan.alpha_out.values()), default=0)
+            largest = max(
+                (a for scales in ran for plan in scales.plans.values() for a in plan.alpha_out.values()), default=0
+            )
             cap = largest - 1 if self.cap is None else min(self.cap, largest) - 1
             self.cap = max(cap, recipe.min_backoff_log2)
 
@@ -64,7 +68,9 @@ class SkipBackoff:
         scales.layer_backoff.relax(run.alpha_out, backwards, interval)
         if self.cap is not None and backwards % interval == 0 and backwards - scales.last_skip >= interval:
             largest = max(run.alpha_out.values(), default=0)
-            self.cap = None if largest < self.cap else self.cap + 1  # one bit per clean interval; gone once it no longer binds
+            self.cap = (
+                None if largest < self.cap else self.cap + 1
+            )  # one bit per clean interval; gone once it no longer binds
 
 
 def log2_floor(value: float | None) -> int | None:

@@ -61,7 +61,9 @@ class PreparedBackward:
         self.parent = parent
         self.handles: list = []
         self.inner: list[PreparedBackward] = []
-        self.compiled: CompiledReplay | None = None  # a replay through compiled regions (graph indices differ from the plan's)
+        self.compiled: CompiledReplay | None = (
+            None  # a replay through compiled regions (graph indices differ from the plan's)
+        )
 
     @property
     def alpha_out(self) -> dict[int, int]:
@@ -178,13 +180,20 @@ class ScaledBackwards:
             prepared = pending.pop()
             pending += prepared.inner
             prepared.remove_hooks()
-            for j in prepared.leaves.deferred | prepared.leaves.shared_leaves:  # they had no .grad before; a partial, scaled one must not stay
+            for j in (
+                prepared.leaves.deferred | prepared.leaves.shared_leaves
+            ):  # they had no .grad before; a partial, scaled one must not stay
                 prepared.graph.nodes[j].variable.grad = None
 
     # --- before the backward -----------------------------------------------------------------
 
     def _prepare(
-        self, root: Node, path: Path, parent: PreparedBackward | None = None, root_alpha: int = 0, exits: frozenset[int] = frozenset()
+        self,
+        root: Node,
+        path: Path,
+        parent: PreparedBackward | None = None,
+        root_alpha: int = 0,
+        exits: frozenset[int] = frozenset(),
     ) -> PreparedBackward:
         """Register the hooks of an update run, or of the plan's replay, on the graph below ``root``.
 
@@ -197,13 +206,17 @@ class ScaledBackwards:
                 prepared = self._prepare_compiled_replay(root, graph)
                 if prepared is not None:
                     return prepared
-            scales = self.graphs.of(graph, self.new_drift(), keep_others=not self.compiled)  # compiled modules replay one plan
+            scales = self.graphs.of(
+                graph, self.new_drift(), keep_others=not self.compiled
+            )  # compiled modules replay one plan
             update = scales.updates_next(self.recipe.update_interval)
         else:
             scales, update = parent.scales, parent.run is not None
         plan, analysis = scales.plans.get(path), scales.analyses.get(path)
         known = plan is not None and plan.matches(graph)
-        exit_leaves = frozenset(j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits)
+        exit_leaves = frozenset(
+            j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits
+        )
         if analysis is None or not known:
             analysis = scales.analyses[path] = analyze(graph, self.attached.module_names, exit_leaves)
             self.attached.check_parameters(graph, exit_leaves)
@@ -214,10 +227,18 @@ class ScaledBackwards:
         replay = not (update or not known)
         # A replay knows every scale before the backward: leaves fed by several edges can wait too, summed at one
         # scale, for fp32 (or wider) master weights; a weight kept in 16 bits is still unscaled edge by edge.
-        several = frozenset(j for j in deferrable - deferred if torch.finfo(graph.nodes[j].variable.dtype).bits >= 32) if replay and not path else ()
+        several = (
+            frozenset(j for j in deferrable - deferred if torch.finfo(graph.nodes[j].variable.dtype).bits >= 32)
+            if replay and not path
+            else ()
+        )
         shared = plan.shared_leaf_scales(graph, several) if several else ()
         leaves = LeafTargets(deferred, exit_leaves, root_alpha, shared)
-        run = None if replay else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
+        run = (
+            None
+            if replay
+            else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
+        )
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
@@ -240,7 +261,11 @@ class ScaledBackwards:
             if self.graphs.current is not None:
                 self.graphs.current.force_update = True
             return None
-        analysis, replay = self.compiled.replay(graph, self.attached.module_names, lambda analysis: _fed_once(self._deferrable_leaves(graph, analysis, frozenset(), set()), analysis))
+        analysis, replay = self.compiled.replay(
+            graph,
+            self.attached.module_names,
+            lambda analysis: _fed_once(self._deferrable_leaves(graph, analysis, frozenset(), set()), analysis),
+        )
         leaves = LeafTargets(frozenset(j for j, _, _ in replay.deferred))
         prepared = PreparedBackward(graph, analysis, leaves, None, (), None, self.graphs.current)
         prepared.compiled = replay
@@ -248,7 +273,9 @@ class ScaledBackwards:
         prepared.handles += replay.register()
         return prepared
 
-    def _deferrable_leaves(self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]) -> frozenset[int]:
+    def _deferrable_leaves(
+        self, graph: AutogradGraph, analysis: GraphAnalysis, exits: frozenset[int], excluded: set[int]
+    ) -> frozenset[int]:
         """Leaves whose gradient can wait for the fused unscale after the backward.
 
         Nobody may see ``.grad`` before then: no DDP (it all-reduces during the backward), no
@@ -277,7 +304,11 @@ class ScaledBackwards:
         recompute = recipe.recompute_weight_gradients and not (self.format.saturates or path or self.compiled)
         # Expected maxima keep the batches to come from skipping; a saturating format clips a rare spike
         # instead. Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
-        expected, levels = ({}, {}) if self.format.saturates or path or recipe.expected_maxima_margin_log2 is None else scales.drift.expect()
+        expected, levels = (
+            ({}, {})
+            if self.format.saturates or path or recipe.expected_maxima_margin_log2 is None
+            else scales.drift.expect()
+        )
         return Settings(
             underflow_rate=recipe.underflow_rate,
             lambda_min=self.lambda_min,
@@ -337,10 +368,21 @@ class ScaledBackwards:
             alpha_out, deferred = prepared.alpha_out, prepared.leaves.deferred
             unscaled = [(j, graph.nodes[j].variable, alpha_out.get(analysis.leaf_sources[j], 0)) for j in deferred]
             handled = deferred | prepared.leaves.exits  # unscaled below; an inner graph's exits hand theirs on
-            already = [(j, graph.nodes[j].variable, alpha_out.get(source, 0)) for j, source in analysis.leaf_sources.items() if j not in handled]
+            already = [
+                (j, graph.nodes[j].variable, alpha_out.get(source, 0))
+                for j, source in analysis.leaf_sources.items()
+                if j not in handled
+            ]
         with profiled("GradientScaler.unscale"):
-            unscale_and_measure(unscaled, scales.drift if not prepared.path and self.recipe.measures_drift else None, run is not None, already)
-            unscale_and_measure([(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False)  # not in the drift statistic, as when unscaled per edge
+            unscale_and_measure(
+                unscaled,
+                scales.drift if not prepared.path and self.recipe.measures_drift else None,
+                run is not None,
+                already,
+            )
+            unscale_and_measure(
+                [(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False
+            )  # not in the drift statistic, as when unscaled per edge
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self.written[id(variable)] = variable
@@ -367,7 +409,9 @@ class ScaledBackwards:
     def _finish_update(self, run: UpdateRun, scales: GraphScales) -> None:
         self.update_iterations += 1
         plan = scales.plans[()] = run.plan()
-        scales.keep_update(run, plan, partial(self.backoff.updated, run, scales, scales.backwards))  # once its scales are read
+        scales.keep_update(
+            run, plan, partial(self.backoff.updated, run, scales, scales.backwards)
+        )  # once its scales are read
         scales.force_update = False
 
 
@@ -394,7 +438,9 @@ def _unscale_captured(prepared: PreparedBackward) -> list:
             "GradientScaler: torch.autograd.grad (or backward(inputs=...)) through a torch.compile'd module is "
             "supported on update iterations only, whose forward runs eagerly; use backward() with a compiled model."
         )
-    handles = prepared.run.track_every_node() if prepared.run is not None else []  # before the hooks below, which read it
+    handles = (
+        prepared.run.track_every_node() if prepared.run is not None else []
+    )  # before the hooks below, which read it
     targets = {j for j in prepared.leaves.deferred | prepared.leaves.shared_leaves if runs[j] is None}
     for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured
         if i in analysis.leaves or not _will_execute(graph.nodes[i]):
@@ -406,7 +452,9 @@ def _unscale_captured(prepared: PreparedBackward) -> list:
     for i, edges in enumerate(graph.edges):
         for k, edge in enumerate(edges):
             if edge is not None and edge[0] in targets:
-                handles.append(graph.nodes[i].register_hook(partial(_divide_edge, graph, source, prepared.leaves, i, k)))
+                handles.append(
+                    graph.nodes[i].register_hook(partial(_divide_edge, graph, source, prepared.leaves, i, k))
+                )
     return handles
 
 
@@ -421,7 +469,15 @@ def _will_execute(node: Node) -> bool | None:
         return None
 
 
-def _divide_edge(graph: AutogradGraph, source: UpdateRun | ScalePlan, leaves: LeafTargets, i: int, k: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+def _divide_edge(
+    graph: AutogradGraph,
+    source: UpdateRun | ScalePlan,
+    leaves: LeafTargets,
+    i: int,
+    k: int,
+    grad_inputs: tuple,
+    grad_outputs: tuple,
+) -> tuple:
     """Post-hook of node ``i``: its gradient on edge ``k``, whose target ``autograd.grad`` captures, unscaled."""
     grad = grad_inputs[k]
     if grad is None:  # a branch contribution the update run keeps aside: the last one carries the sum

@@ -21,7 +21,14 @@ from gs_lightning.scaling.limits import Bound, Limit, UnreadBound
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.underflow import as_float64, below_bounds, constant, finite, highest_below, sufficient_log2_scale
+from gs_lightning.scaling.underflow import (
+    as_float64,
+    below_bounds,
+    constant,
+    finite,
+    highest_below,
+    sufficient_log2_scale,
+)
 
 # Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
 # factor, and the scalar it is given as) represents every factor and its inverse as a normal
@@ -77,7 +84,9 @@ class Settings:
 def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
     """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
     ``margin_log2`` binades (:attr:`ScalingRecipe.expected_maxima_margin_log2`) below ``lambda_max``."""
-    return math.ceil(math.log2(lambda_max / (expected * 2.0**margin_log2))) - 1  # host values, read by the step (expected > 0)
+    return (
+        math.ceil(math.log2(lambda_max / (expected * 2.0**margin_log2))) - 1
+    )  # host values, read by the step (expected > 0)
 
 
 def decision_nodes(analysis: GraphAnalysis) -> set[int]:
@@ -123,7 +132,10 @@ class ScaleBounds:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
         where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
         graph, analysis, maxima = self.graph, self.analysis, {}
-        parameters = analysis.derive("parameter leaves", lambda: {i: parameter_leaves(graph.names, graph.edges, analysis, i) for i in analysis.gemms})
+        parameters = analysis.derive(
+            "parameter leaves",
+            lambda: {i: parameter_leaves(graph.names, graph.edges, analysis, i) for i in analysis.gemms},
+        )
         for i in analysis.gemms:
             leaves = parameters[i]
             expected = max((self.settings.expected_maxima.get(j, 0.0) for j in leaves), default=0.0)
@@ -144,13 +156,19 @@ class ScaleBounds:
         (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
         fed = self.analysis.derive("fed leaves", dict)  # GEMM -> the leaves it feeds, found on first use
         if i not in fed:
-            fed[i] = self._find_fed_leaves(i, self.analysis.derive("decision nodes", lambda: decision_nodes(self.analysis)))
+            fed[i] = self._find_fed_leaves(
+                i, self.analysis.derive("decision nodes", lambda: decision_nodes(self.analysis))
+            )
         return fed[i]
 
     def _find_fed_leaves(self, i: int, decides: set[int]) -> set[int]:
         a, found = self.analysis, set()
         # a branch's sum is brought to a common scale: the scale i chose ends there too
-        frontier = [e[0] for k, e in enumerate(self.graph.edges[i]) if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots]
+        frontier = [
+            e[0]
+            for k, e in enumerate(self.graph.edges[i])
+            if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots
+        ]
         seen = set(frontier)
         while frontier:
             n = frontier.pop()
@@ -201,7 +219,9 @@ class ScaleBounds:
         (then no kernel multiplies by 1)."""
         return None if edge is None or edge in self.analysis.branch_slots else self.gains_after.get(edge[0])
 
-    def choose(self, i: int, alpha: Exponent, lower: torch.Tensor, bounds: list[Bound], limits: torch.Tensor) -> tuple[torch.Tensor, UnreadBound]:
+    def choose(
+        self, i: int, alpha: Exponent, lower: torch.Tensor, bounds: list[Bound], limits: torch.Tensor
+    ) -> tuple[torch.Tensor, UnreadBound]:
         """The scale from the underflow bound ``lower`` and the overflow bounds ``limits`` (log2, one per bound of
         ``bounds``), and what held it below ``lower``.
 
@@ -215,21 +235,41 @@ class ScaleBounds:
         values = limits - _per_bound(tuple(b.limit.exact for b in bounds), recipe.replay_headroom_log2, device)
         upper = values.amin() if bounds else as_float64(math.inf, device)
         ceiling, cap = self._ceiling(i, alpha)
-        lower_up, lower_finite, highest = torch.ceil(lower), finite(lower), highest_below(upper, device)  # each used twice
+        lower_up, lower_finite, highest = (
+            torch.ceil(lower),
+            finite(lower),
+            highest_below(upper, device),
+        )  # each used twice
         sufficient = sufficient_log2_scale(lower_up, lower_finite)
         beta = below_bounds(sufficient, highest, ceiling)  # choose_log2_scale, its first half kept for the spike room
         candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
         reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
-            cap = cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)  # which cap: found on the device
+            cap = (
+                cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)
+            )  # which cap: found on the device
             reason = torch.where((beta == ceiling) & (beta < highest), cap, reason)
         reason = torch.where((beta >= lower_up) | ~(lower < math.inf), constant(0, device, reason.dtype), reason)
-        if recipe.spike_room_log2 > 0.0 and any(bound.limit.expected for bound in bounds) and s.lambda_lost < s.lambda_min:
-            lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)  # both bounds are log2(λ / the same order statistic)
-            roomy = (values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)).amin()
-            with_room = torch.maximum(below_bounds(sufficient, highest_below(roomy, device), ceiling), torch.minimum(beta, torch.ceil(lost_lower)))
+        if (
+            recipe.spike_room_log2 > 0.0
+            and any(bound.limit.expected for bound in bounds)
+            and s.lambda_lost < s.lambda_min
+        ):
+            lost_lower = lower - math.log2(
+                s.lambda_min / s.lambda_lost
+            )  # both bounds are log2(λ / the same order statistic)
+            roomy = (
+                values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)
+            ).amin()
+            with_room = torch.maximum(
+                below_bounds(sufficient, highest_below(roomy, device), ceiling),
+                torch.minimum(beta, torch.ceil(lost_lower)),
+            )
             roomier = lower_finite & (with_room < beta)
-            beta, reason = torch.where(roomier, with_room, beta), torch.where(roomier, constant(1, device, reason.dtype), reason)
+            beta, reason = (
+                torch.where(roomier, with_room, beta),
+                torch.where(roomier, constant(1, device, reason.dtype), reason),
+            )
         return beta, UnreadBound(candidates, reason)
 
     def _ceiling(self, i: int, alpha: Exponent) -> tuple[Exponent | None, int | torch.Tensor]:
@@ -244,7 +284,9 @@ class ScaleBounds:
             return total, position
         if not isinstance(total, torch.Tensor):
             return (s.layer_cap, 2) if s.layer_cap <= total else (total, position)
-        which = torch.where(total >= s.layer_cap, constant(2, total.device, torch.int64), constant(position, total.device, torch.int64))
+        which = torch.where(
+            total >= s.layer_cap, constant(2, total.device, torch.int64), constant(position, total.device, torch.int64)
+        )
         return total.clamp(max=s.layer_cap), which
 
     def expected_maxima(self, i: int, alpha: Exponent, device: torch.device) -> dict[Bound, torch.Tensor]:

@@ -146,7 +146,9 @@ def _traced_multiplies(places: list[tuple[int, int]], scales: torch.Tensor) -> C
     return multiply
 
 
-def _scale_points(graph: AutogradGraph, analysis: GraphAnalysis, roots: int, parameter_leaves: set[int]) -> list[ScalePoint]:
+def _scale_points(
+    graph: AutogradGraph, analysis: GraphAnalysis, roots: int, parameter_leaves: set[int]
+) -> list[ScalePoint]:
     """Every place of a region's backward where a replayed eager plan can apply a factor other than 1.
 
     The first ``roots`` nodes produce the region's outputs: all their slots receive from outside.
@@ -162,7 +164,9 @@ def _scale_points(graph: AutogradGraph, analysis: GraphAnalysis, roots: int, par
         if graph.names[i] == LEAF:
             continue
         if i in decides:
-            slots = set(analysis.slots.get(i, ())) | (set(range(len(graph.nodes[i]._input_metadata))) if i < roots else set())
+            slots = set(analysis.slots.get(i, ())) | (
+                set(range(len(graph.nodes[i]._input_metadata))) if i < roots else set()
+            )
             points += [("pre", i, s) for s in sorted(slots)]
         for k, edge in enumerate(edges):
             if edge is None:
@@ -200,13 +204,18 @@ class ScalingBackend:
         """The region's autograd graph, from running ``gm`` once on fake copies of its inputs."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        if not isinstance(output.args[0], (tuple, list)) or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        if not isinstance(output.args[0], (tuple, list)) or not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        ):
             return None
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         if fake_mode is not None:  # dynamo hands the parameters over as they are
             example_inputs = [_fake(fake_mode, t) for t in example_inputs]
         with fake_mode if fake_mode is not None else contextlib.nullcontext(), torch.enable_grad():
-            inputs = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+            inputs = [
+                t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                for t in example_inputs
+            ]
             outputs = gm(*inputs)
         roots = _region_roots(_flat_tensors(outputs))
         if not roots:
@@ -217,7 +226,11 @@ class ScalingBackend:
             for p, node in enumerate(placeholders)
             if isinstance(getattr(node.meta.get("grapharg"), "example", None), nn.Parameter)
         }
-        parameter_leaves = {j for j, node in enumerate(graph.nodes) if graph.names[j] == LEAF and id(getattr(node, "variable", None)) in parameters}
+        parameter_leaves = {
+            j
+            for j, node in enumerate(graph.nodes)
+            if graph.names[j] == LEAF and id(getattr(node, "variable", None)) in parameters
+        }
         points = _scale_points(graph, analyze(graph, {}), len(dict.fromkeys(roots)), parameter_leaves)
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         return ScaledGraph(graph.names, graph.edges, points, device)
@@ -295,14 +308,18 @@ class EagerPlan:
         self.version = version
         self.plan = plan
         self.analysis = analysis
-        self.structure = AutogradGraph([], graph.names, graph.edges, graph.in_counts)  # no nodes: they die with the iteration
+        self.structure = AutogradGraph(
+            [], graph.names, graph.edges, graph.in_counts
+        )  # no nodes: they die with the iteration
         self._factors: dict[frozenset[int], dict[int, tuple[tuple | None, tuple | None]]] = {}
         self._replayed: tuple[tuple, GraphAnalysis] | None = None
 
     def factors(self, deferred: frozenset[int]) -> dict[int, tuple[tuple | None, tuple | None]]:
         """Node -> (pre-hook, post-hook) factors of the eager replay with these leaves deferred."""
         if deferred not in self._factors:
-            self._factors[deferred] = {i: (pre, post) for i, pre, post in self.plan.hook_factors(self.structure, LeafTargets(deferred))}
+            self._factors[deferred] = {
+                i: (pre, post) for i, pre, post in self.plan.hook_factors(self.structure, LeafTargets(deferred))
+            }
         return self._factors[deferred]
 
     def inside_factors(self) -> dict[int, tuple[tuple | None, tuple | None]]:
@@ -338,7 +355,9 @@ class CompiledModule:
 
     _active: list[CompiledModule] = []  # the modules whose compiled forward is running, innermost last
 
-    def __init__(self, owner: object, attribute: str, compiled: Callable, original: Callable, modules: CompiledModules) -> None:
+    def __init__(
+        self, owner: object, attribute: str, compiled: Callable, original: Callable, modules: CompiledModules
+    ) -> None:
         self.owner, self.attribute = owner, attribute
         self.compiled_forward, self.original = compiled, original
         setattr(owner, attribute, self.forward)
@@ -358,19 +377,25 @@ class CompiledModule:
             served.serve(modules)
             return served
         ctx = module.dynamo_ctx
-        rewrapped = torch.compile(module._orig_mod, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
+        rewrapped = torch.compile(
+            module._orig_mod, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic
+        )
         module.dynamo_ctx = rewrapped.dynamo_ctx
         module._initialize()  # its forward, as torch.compile wraps it, with the scaling backend
         return cls(module, "forward", module.forward, module._orig_mod, modules)
 
     @classmethod
-    def of_method(cls, owner: nn.Module, attribute: str, original: Callable, ctx: Any, modules: CompiledModules) -> CompiledModule:
+    def of_method(
+        cls, owner: nn.Module, attribute: str, original: Callable, ctx: Any, modules: CompiledModules
+    ) -> CompiledModule:
         """``owner.attribute``, which ``ctx`` (a dynamo context) compiled from ``original``, among ``modules``."""
         served = getattr(getattr(owner, attribute), "__self__", None)
         if isinstance(served, CompiledModule):
             served.serve(modules)
             return served
-        compiled = torch.compile(original, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic)
+        compiled = torch.compile(
+            original, backend=ScalingBackend(inner_backend(ctx)), fullgraph=ctx.fullgraph, dynamic=ctx._dynamic
+        )
         return cls(owner, attribute, compiled, original, modules)
 
     def serve(self, modules: CompiledModules) -> None:
@@ -435,7 +460,9 @@ class CompiledModule:
             self.unmatched = True
             return graph.ones
         vector = cached[1] if cached is not None else torch.empty_like(graph.ones)
-        vector.copy_(torch.tensor(factors, dtype=vector.dtype))  # in place: the compiled graph keeps reading this tensor
+        vector.copy_(
+            torch.tensor(factors, dtype=vector.dtype)
+        )  # in place: the compiled graph keeps reading this tensor
         self._vectors[graph] = (eager.version, vector)
         return vector
 
@@ -514,7 +541,9 @@ class CompiledModules:
         warn_once: Warns with a message once per key.
     """
 
-    def __init__(self, enabled: Callable[[], bool], updates_next: Callable[[], bool], warn_once: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, enabled: Callable[[], bool], updates_next: Callable[[], bool], warn_once: Callable[[str, str], None]
+    ) -> None:
         self.enabled, self.updates_next, self.warn_once = enabled, updates_next, warn_once
         self.modules: list[CompiledModule] = []
         self.eager_plan: EagerPlan | None = None  # the last eager update, as the compiled replays read it
@@ -541,7 +570,9 @@ class CompiledModules:
                 lightning = getattr(module, "_compiler_ctx", None)
                 if not (isinstance(lightning, dict) and lightning.get("compiler") == "dynamo"):
                     continue
-                found = CompiledModule.of_method(module, "training_step", lightning["original_training_step"], lightning["dynamo_ctx"], self)
+                found = CompiledModule.of_method(
+                    module, "training_step", lightning["original_training_step"], lightning["dynamo_ctx"], self
+                )
             if id(found) not in known:
                 known.add(id(found))
                 self.modules.append(found)
@@ -563,7 +594,9 @@ class CompiledModules:
             module.run_eagerly("its compiled graph does not have the structure of its eager forward")
         return self.eager_plan is None or bool(unmatched)
 
-    def replay(self, graph: AutogradGraph, module_names: dict[int, str], deferred: Callable[[GraphAnalysis], frozenset[int]]) -> tuple[GraphAnalysis, CompiledReplay]:
+    def replay(
+        self, graph: AutogradGraph, module_names: dict[int, str], deferred: Callable[[GraphAnalysis], frozenset[int]]
+    ) -> tuple[GraphAnalysis, CompiledReplay]:
         """The replay of the backward ``graph`` through the modules that ran compiled with the last update's scales.
 
         Args:
@@ -617,11 +650,18 @@ class CompiledReplay:
 
     def register(self) -> list:
         """Register :attr:`hooks`; returns their handles."""
-        return [node.register_prehook(hook) if kind == "pre" else node.register_hook(hook) for node, kind, hook in self.hooks]
+        return [
+            node.register_prehook(hook) if kind == "pre" else node.register_hook(hook)
+            for node, kind, hook in self.hooks
+        ]
 
 
 def replay_hooks(
-    graph: AutogradGraph, analysis: GraphAnalysis, eager: EagerPlan, modules: list[CompiledModule], deferrable: frozenset[int]
+    graph: AutogradGraph,
+    analysis: GraphAnalysis,
+    eager: EagerPlan,
+    modules: list[CompiledModule],
+    deferrable: frozenset[int],
 ) -> CompiledReplay | None:
     """Hook the eager plan's factors onto the nodes of ``graph`` outside its compiled regions.
 
@@ -638,7 +678,10 @@ def replay_hooks(
         i = queue.pop()
         e = counterpart[i]
         if graph.names[i].startswith(COMPILED_NODE):
-            module = next((m for m in modules if m.region is not None and e in m.region.inside and m.compiled_inputs is not None), None)
+            module = next(
+                (m for m in modules if m.region is not None and e in m.region.inside and m.compiled_inputs is not None),
+                None,
+            )
             if module is None or region_of.setdefault(i, module) is not module:
                 return None
             targets = _region_exits(graph, i, module)

@@ -126,7 +126,9 @@ class UnreadLayer:
         return LayerScale(self.name, self.kind, beta, total, math.nan, None, *bound), True
 
 
-ModelledRate = tuple[Callable[..., float], tuple[torch.Tensor, ...]]  # rate(log2 scale, *statistics as read), its statistics
+ModelledRate = tuple[
+    Callable[..., float], tuple[torch.Tensor, ...]
+]  # rate(log2 scale, *statistics as read), its statistics
 
 
 @dataclass(frozen=True)
@@ -147,14 +149,20 @@ class UnreadRates:
 
     def tensors(self) -> list[torch.Tensor]:
         """The statistics and counts to read, in order."""
-        return [t for _, statistics in self.modelled for t in statistics] + [t for counts in self.measured for t in counts]
+        return [t for _, statistics in self.modelled for t in statistics] + [
+            t for counts in self.measured for t in counts
+        ]
 
     def applied_to(self, layer: LayerScale, values: Iterator[float]) -> LayerScale:
         """``layer`` with its rates, ``values`` holding :meth:`tensors` as read."""
         modelled = [rate(layer.log2_scale, *(next(values) for _ in statistics)) for rate, statistics in self.modelled]
         measured = [counted_rate(next(values), next(values)) for _ in self.measured]
         rate = max([*modelled, *measured], default=self.if_none)
-        return replace(layer, underflow_rate=rate, measured_underflow=rate if self.measured_is_rate else max(measured, default=None))
+        return replace(
+            layer,
+            underflow_rate=rate,
+            measured_underflow=rate if self.measured_is_rate else max(measured, default=None),
+        )
 
 
 class NodeDecisions:
@@ -189,7 +197,9 @@ class NodeDecisions:
         self.unmeasured: set[int] = set()
         self.weight_bound: set[int] = set()  # once read in
 
-    def decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
+    def decide(
+        self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent
+    ) -> Exponent:
         """The local log2 scale β of GEMM, fused or cast node ``i``, whose incoming gradient ``grad`` (of ``grads``,
         the present ones) carries the accumulated scale ``alpha``; recorded in :attr:`layers`. Unread."""
         if i in self.analysis.gemms:
@@ -250,13 +260,25 @@ class NodeDecisions:
         operands = [(k, operand_of[k](self.graph, i, grad)) for k in self.analysis.gemms[i]]
         operands = [(k, op) for k, op in operands if op.operand is not None]
         node = self.graph.nodes[i]
-        weight_bounds = WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else {}
-        if not operands and self.analysis.gemms[i] and not weight_bounds:  # operands unreadable (two activations under checkpointing)
+        weight_bounds = (
+            WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else {}
+        )
+        if (
+            not operands and self.analysis.gemms[i] and not weight_bounds
+        ):  # operands unreadable (two activations under checkpointing)
             return self.non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         recipe, device = s.recipe, grad.device
-        sent = [v for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands) if v is not None] if recipe.exact_probes else []
+        sent = (
+            [
+                v
+                for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands)
+                if v is not None
+            ]
+            if recipe.exact_probes
+            else []
+        )
         samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
         grad_rms, grad_max = rms(grad).double(), magnitude(grad_extremes)
         operand_rms = [rms(op.operand).double() for _, op in operands]
@@ -274,7 +296,9 @@ class NodeDecisions:
         maxima = {
             Bound(Limit.INCOMING_GRADIENT): grad_max,
             **{
-                Bound(Limit.INPUT_GRADIENT, k): _grown(op.accumulation_length * grad_max * operand_max[j], self.bounds.gain_into(self.graph.edges[i][k]))
+                Bound(Limit.INPUT_GRADIENT, k): _grown(
+                    op.accumulation_length * grad_max * operand_max[j], self.bounds.gain_into(self.graph.edges[i][k])
+                )
                 for j, (k, op) in enumerate(operands)
             },
             **{Bound(Limit(tensor)): bound for tensor, bound in weight_stats.items()},
@@ -282,10 +306,18 @@ class NodeDecisions:
         }
         bounds, weight = list(maxima), Bound(Limit.WEIGHT_GRADIENT)
         # The exact weight gradient, on the GEMMs the settings name (None: every one)
-        measures = weight in maxima and recipe.exact_probes and (s.measured_weight_nodes is None or i in s.measured_weight_nodes)
+        measures = (
+            weight in maxima
+            and recipe.exact_probes
+            and (s.measured_weight_nodes is None or i in s.measured_weight_nodes)
+        )
         measured = self._measured_weight_maximum(i, grad) if measures else None
-        limits = overflow_max_log2_scale(torch.stack([*maxima.values(), *([] if measured is None else [measured])]), s.lambda_max)
-        if weight in maxima:  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
+        limits = overflow_max_log2_scale(
+            torch.stack([*maxima.values(), *([] if measured is None else [measured])]), s.lambda_max
+        )
+        if (
+            weight in maxima
+        ):  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
             w, bounded = bounds.index(weight), limits[: len(bounds)]
             limit = bounded[w]
             binds = (limit < lower.clamp_min(0.0)) & (bounded.amin() == limit)
@@ -294,12 +326,17 @@ class NodeDecisions:
             if recipe.exact_probes and not measures:  # it stands on this update; the next one measures it
                 self.unmeasured.add(i)
             else:  # none measured (without exact probes, from an unreadable input): it binds nowhere
-                relaxed = constant(math.inf, device, limits.dtype) if measured is None else torch.maximum(limit, limits[-1])
+                relaxed = (
+                    constant(math.inf, device, limits.dtype) if measured is None else torch.maximum(limit, limits[-1])
+                )
                 bounded = torch.where(_one_hot(len(bounds), w, device) & binds, relaxed, bounded)
             limits = bounded
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
         beta = where_or(decided, beta, 0.0)
-        modelled = [(partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,)) for sigma, n in zip(sigmas, lengths)]
+        modelled = [
+            (partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,))
+            for sigma, n in zip(sigmas, lengths)
+        ]
         measured = underflow_counts(samples, beta, s.lambda_min)
         self._add(UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided), modelled, measured)
         return beta
@@ -313,8 +350,15 @@ class NodeDecisions:
         recipe's budgets); none where the node's input is unreadable (non-reentrant checkpointing).
         """
         recipe = self.settings.recipe
-        node, elements = self.graph.nodes[i], elements or weight_probe_elements(grad, recipe.weight_probe_elements, recipe.weight_probe_macs)
-        return [values for k in self.analysis.weight_edges[i] if (values := probe(node, grad, k, None, elements)) is not None]
+        node, elements = (
+            self.graph.nodes[i],
+            elements or weight_probe_elements(grad, recipe.weight_probe_elements, recipe.weight_probe_macs),
+        )
+        return [
+            values
+            for k in self.analysis.weight_edges[i]
+            if (values := probe(node, grad, k, None, elements)) is not None
+        ]
 
     def _measured_weight_maximum(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The largest value of GEMM ``i``'s weight gradients, computed in fp32, times :attr:`ScalingRecipe.weight_grad_margin_log2`
@@ -346,22 +390,34 @@ class NodeDecisions:
         decided = torch.isfinite(grad_max) & (count > 0)
         log_mean, log_std = mean.double(), variance.double().clamp_min(0.0).sqrt()
         lower = cast_min_log2_scale(log_mean, log_std, s.lambda_min, s.underflow_rate)
-        beta, bound = self.bounds.choose(i, alpha, lower, [Bound(Limit.INCOMING_GRADIENT)], overflow_max_log2_scale(grad_max, s.lambda_max).view(1))
+        beta, bound = self.bounds.choose(
+            i, alpha, lower, [Bound(Limit.INCOMING_GRADIENT)], overflow_max_log2_scale(grad_max, s.lambda_max).view(1)
+        )
         beta = where_or(decided, beta, 0.0)
         modelled = [(partial(cast_underflow_rate, lambda_min=s.lambda_min), (log_mean, log_std))]
         self._add(UnreadLayer(self.analysis.layer_names[i], "cast", beta, alpha, bound, decided), modelled, [])
         return beta
 
-    def fused_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]) -> Exponent:
+    def fused_scale(
+        self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]
+    ) -> Exponent:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
         node, name = self.graph.nodes[i], self.graph.names[i]
         if name in RNN_NODES:
-            kind, samples = "rnn", [rnn_probe(node, grads, k, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
+            kind, samples = (
+                "rnn",
+                [rnn_probe(node, grads, k, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]],
+            )
         else:
-            kind, samples = "attention", [probe(node, grad, k, None, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]]
+            kind, samples = (
+                "attention",
+                [probe(node, grad, k, None, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]],
+            )
         return self._sampled_scale(i, kind, [v for v in samples if v is not None], grad_extremes, alpha)
 
-    def _sampled_scale(self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent) -> Exponent:
+    def _sampled_scale(
+        self, i: int, kind: str, samples: list[torch.Tensor], grad_extremes: Extremes, alpha: Exponent
+    ) -> Exponent:
         s = self.settings
         if not samples:
             return self.non_finite(i, kind, alpha)
@@ -372,12 +428,20 @@ class NodeDecisions:
         lower = largest([v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in exact], device)
         gains = [gain for edge in self.graph.edges[i] if (gain := self.bounds.gain_into(edge)) is not None]
         gain = largest(gains, device) if gains else None  # whichever edge a sample left by
-        bounds = [Bound(Limit.INCOMING_GRADIENT), *(Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None) for k in range(len(sample_max)))]
+        bounds = [
+            Bound(Limit.INCOMING_GRADIENT),
+            *(Bound(Limit.OUTPUT, k if len(sample_max) > 1 else None) for k in range(len(sample_max))),
+        ]
         limits = overflow_max_log2_scale(torch.stack([grad_max, *(_grown(m, gain) for m in sample_max)]), s.lambda_max)
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
         beta = where_or(decided, beta, 0.0)
         measured = underflow_counts(exact, beta, s.lambda_min)
-        self._add(UnreadLayer(self.analysis.layer_names[i], kind, beta, alpha, bound, decided), [], measured, measured_is_rate=True)
+        self._add(
+            UnreadLayer(self.analysis.layer_names[i], kind, beta, alpha, bound, decided),
+            [],
+            measured,
+            measured_is_rate=True,
+        )
         return beta
 
     def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> torch.Tensor:
@@ -406,7 +470,9 @@ class NodeDecisions:
             self.finite_flags.append((name, tuple(v for pair in pairs for v in pair)))
         maxima = [magnitude(pair) for pair in pairs]
         decided = all_finite(maxima) if maxima else True
-        upper = torch.stack([upper_in, *(probe_scale + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima)]).amin()
+        upper = torch.stack(
+            [upper_in, *(probe_scale + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima)]
+        ).amin()
         beta = where_or(finite(upper), torch.ceil(upper) - 2.0, 0.0)  # one binade of margin below the largest
         ceiling = self.bounds.ceiling(i, alpha_in, device)
         beta = beta if ceiling is None else torch.minimum(beta, ceiling)
@@ -415,14 +481,27 @@ class NodeDecisions:
             out[k] = times_pow2(g, beta - probe_scale) if g is not None and g.is_floating_point() else g
         exact = [ExactSample(g) for g in grads if g.numel()]
         measured = underflow_counts(exact, beta - probe_scale, self.settings.lambda_min)
-        self._add(UnreadLayer(name, "opaque", beta, alpha_in, None, decided), [], measured, if_none=math.nan, measured_is_rate=True)
+        self._add(
+            UnreadLayer(name, "opaque", beta, alpha_in, None, decided),
+            [],
+            measured,
+            if_none=math.nan,
+            measured_is_rate=True,
+        )
         return alpha_in + beta
 
     def _add(
-        self, layer: UnreadLayer, modelled: list[ModelledRate], measured: list[tuple[torch.Tensor, torch.Tensor]], if_none: float = 0.0, measured_is_rate: bool = False
+        self,
+        layer: UnreadLayer,
+        modelled: list[ModelledRate],
+        measured: list[tuple[torch.Tensor, torch.Tensor]],
+        if_none: float = 0.0,
+        measured_is_rate: bool = False,
     ) -> None:
         """Record ``layer``, its underflow rates filled in with the step's read (:class:`UnreadRates`)."""
-        self.unread_rates.append(UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate))
+        self.unread_rates.append(
+            UnreadRates(len(self.layers), tuple(modelled), tuple(measured), if_none, measured_is_rate)
+        )
         self.layers.append(layer)
 
     def non_finite(self, i: int, kind: str, alpha: Exponent) -> int:
@@ -432,7 +511,9 @@ class NodeDecisions:
 
     def unread(self) -> list[torch.Tensor]:
         """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided, the weight bounds' flags."""
-        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()] + list(self.weight_binds.values())
+        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()] + list(
+            self.weight_binds.values()
+        )
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
         """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the layers that

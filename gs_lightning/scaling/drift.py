@@ -155,7 +155,9 @@ class GradientDrift:
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
         """The scales of queued groups an update left on the device, as read (``values``): before :meth:`read`."""
-        self._pending = [(int(values[a]) if isinstance(a, torch.Tensor) else a, leaves, grads) for a, leaves, grads in self._pending]
+        self._pending = [
+            (int(values[a]) if isinstance(a, torch.Tensor) else a, leaves, grads) for a, leaves, grads in self._pending
+        ]
 
     def pending(self) -> list[torch.Tensor]:
         """The queued gradients, in the order :meth:`read` takes their largest magnitudes."""
@@ -180,12 +182,19 @@ class GradientDrift:
         if self._update and not non_finite:
             zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0)
             drift = math.inf if zero - self.zero_at_update else 0.0  # decided on no values: once more, next backward
-            self.reference = {alpha: (leaves, self._group_level(leaves, largest)) for alpha, (leaves, largest) in measured.items()}
+            self.reference = {
+                alpha: (leaves, self._group_level(leaves, largest)) for alpha, (leaves, largest) in measured.items()
+            }
             self.zero_at_update = zero
         else:
-            comparable = [(leaves, largest, self.reference[alpha][1]) for alpha, (leaves, largest) in measured.items()
-                          if alpha in self.reference and self.reference[alpha][0] == leaves]
-            woke = any(at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update)  # only these are looked at between updates
+            comparable = [
+                (leaves, largest, self.reference[alpha][1])
+                for alpha, (leaves, largest) in measured.items()
+                if alpha in self.reference and self.reference[alpha][0] == leaves
+            ]
+            woke = any(
+                at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update
+            )  # only these are looked at between updates
             drift = math.inf if woke else self._largest_shrink(comparable)
             ratios = {j: v / self.expected[j] for j, v in at_least.items() if j in self.expected}
             ratio = max(ratios.values(), default=0.0)  # one log2, not one per gradient
@@ -197,7 +206,9 @@ class GradientDrift:
         self._pending.clear()
         self._update = False
         measured_leaves = frozenset(j for leaves, _ in measured.values() for j in leaves)
-        self.last = DriftReading(drift, frozenset(non_finite), measured_leaves, surprise, surprised, self.tolerance_log2)
+        self.last = DriftReading(
+            drift, frozenset(non_finite), measured_leaves, surprise, surprised, self.tolerance_log2
+        )
         return self.last
 
     def _group_level(self, leaves: tuple[int, ...], largest: float) -> float:
@@ -223,7 +234,9 @@ class GradientDrift:
             return math.nan
         largest_shrink = -math.inf
         for batch_shrink, leaves, largest, reference in sorted(
-            ((_shrink_log2(largest, reference), leaves, largest, reference) for leaves, largest, reference in groups), key=lambda g: g[0], reverse=True
+            ((_shrink_log2(largest, reference), leaves, largest, reference) for leaves, largest, reference in groups),
+            key=lambda g: g[0],
+            reverse=True,
         ):
             if batch_shrink <= largest_shrink:
                 break
@@ -241,7 +254,9 @@ class GradientDrift:
     def _level(self, leaves: tuple[int, ...], largest: float) -> float:
         """The median of a scale group's largest values over the last :attr:`level_steps` steps, this one's (``largest``) included."""
         # step.get(leaf, 0.0) by map, twice as fast as a generator: this runs for every group on every step
-        steps = [max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in self.recent[-(self.level_steps - 1) :]]
+        steps = [
+            max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in self.recent[-(self.level_steps - 1) :]
+        ]
         return statistics.median_low([*steps, largest])
 
     def keep_overflows_of(self, leaves: set[int] | frozenset[int]) -> None:
@@ -252,7 +267,9 @@ class GradientDrift:
         down for a whole window (SSD300's backbone, after an overflow in a head).
         """
         if self.recent:
-            self.recent[-1] = {leaf: v for leaf, v in self.recent[-1].items() if leaf in leaves or leaf not in self.last.non_finite}
+            self.recent[-1] = {
+                leaf: v for leaf, v in self.recent[-1].items() if leaf in leaves or leaf not in self.last.non_finite
+            }
 
     def recomputed(self, maxima: Mapping[int, float]) -> None:
         """The last step's overflowed gradients of ``maxima``'s leaves were recomputed: their true largest
@@ -292,11 +309,16 @@ class GradientDrift:
             self.expected = {}
             return {}, {}
         # NaN where a gradient was all zeros or not computed; a tensor from a list is 2x slower than from an array
-        log2 = array("d", [math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent for leaf in leaves])
+        log2 = array(
+            "d",
+            [math.log2(v) if (v := step.get(leaf, 0.0)) > 0.0 else math.nan for step in self.recent for leaf in leaves],
+        )
         x = torch.frombuffer(log2, dtype=torch.float64).view(len(self.recent), len(leaves)).T
         # levels[:, t]: the median of the (up to) level_steps steps before step t; the last, of the last ones
         padded = torch.cat([torch.full((len(leaves), self.level_steps), math.nan, dtype=torch.float64), x], dim=1)
-        levels = padded.unfold(1, self.level_steps, 1).contiguous().nanmedian(dim=-1).values  # 2x faster than on the strided view
+        levels = (
+            padded.unfold(1, self.level_steps, 1).contiguous().nanmedian(dim=-1).values
+        )  # 2x faster than on the strided view
         spikes = (x - levels[:, :-1]).nan_to_num(nan=-math.inf).amax(dim=1).clamp(min=0.0)
         expected, level = (torch.exp2(log2_maxima).tolist() for log2_maxima in (levels[:, -1] + spikes, levels[:, -1]))
         self.expected = {leaf: v for leaf, v in zip(leaves, expected) if math.isfinite(v)}
@@ -313,7 +335,10 @@ class GradientDrift:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` holds."""
-        self.reference = {int(alpha): (tuple(int(j) for j in leaves), float(norm)) for alpha, leaves, norm in state.get("reference", [])}
+        self.reference = {
+            int(alpha): (tuple(int(j) for j in leaves), float(norm))
+            for alpha, leaves, norm in state.get("reference", [])
+        }
         self.zero_at_update = frozenset(int(j) for j in state.get("zero_at_update", []))
         self.expected = {int(leaf): float(value) for leaf, value in state.get("expected", [])}
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
@@ -337,7 +362,13 @@ def largest_magnitudes(grads: list[torch.Tensor]) -> torch.Tensor:
             part = torch.stack(torch._foreach_norm(group, math.inf)).float()
         else:
             extremes = [v for g in group for v in (torch.aminmax(g) if g.numel() else (g.new_zeros(()),) * 2)]
-            part = torch.stack([v.float() for v in extremes] if len({v.dtype for v in extremes}) > 1 else extremes).view(-1, 2).abs().amax(dim=1).float()
+            part = (
+                torch.stack([v.float() for v in extremes] if len({v.dtype for v in extremes}) > 1 else extremes)
+                .view(-1, 2)
+                .abs()
+                .amax(dim=1)
+                .float()
+            )
         parts.append(part.to(grads[0].device))
         order += positions
     if len(parts) == 1:
@@ -375,14 +406,19 @@ def unscale_and_measure(
     read: the step's pass over the gradients it uses takes their largest magnitudes, the queued
     ones' included (:meth:`GradientDrift.pending`).
     """
-    by_alpha: dict[Exponent, list[tuple[int, torch.Tensor, bool]]] = defaultdict(list)  # an update's scales by identity, unread
+    by_alpha: dict[Exponent, list[tuple[int, torch.Tensor, bool]]] = defaultdict(
+        list
+    )  # an update's scales by identity, unread
     for queued, to_unscale in ((leaves, True), (unscaled, False)):
         for j, variable, alpha in queued:
             if variable.grad is not None:
                 by_alpha[alpha].append((j, variable.grad, to_unscale))
     for alpha, group in by_alpha.items():
         if isinstance(alpha, torch.Tensor) or alpha != 0:
-            unscale_([grad for _, grad, to_unscale in group if to_unscale], torch.exp2(-alpha) if isinstance(alpha, torch.Tensor) else 2.0**-alpha)
+            unscale_(
+                [grad for _, grad, to_unscale in group if to_unscale],
+                torch.exp2(-alpha) if isinstance(alpha, torch.Tensor) else 2.0**-alpha,
+            )
         dense = [(j, grad) for j, grad, _ in group if grad.is_floating_point() and not grad.is_sparse]
         if drift is not None and dense:
             drift.measure(alpha, tuple(j for j, _ in dense), [grad for _, grad in dense], update)
@@ -434,7 +470,9 @@ class LayerBackoff:
         self.caps = {int(i): (int(cap), int(since)) for i, cap, since in state}
 
 
-def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int], bits: int = ScalingRecipe.backoff_bits) -> dict[int, int]:
+def overflow_caps(
+    analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int], bits: int = ScalingRecipe.backoff_bits
+) -> dict[int, int]:
     """Node -> log2 cap that lowers the layers an overflow between updates came from, and no other.
 
     A non-finite weight gradient at a GEMM came from that GEMM (its weight gradient overflowed) or
@@ -456,7 +494,9 @@ def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable
     return caps
 
 
-def within_margin(analysis: GraphAnalysis, plan: ScalePlan, surprised: Mapping[int, float], highest_total: Callable[[float], int]) -> bool:
+def within_margin(
+    analysis: GraphAnalysis, plan: ScalePlan, surprised: Mapping[int, float], highest_total: Callable[[float], int]
+) -> bool:
     """Whether every weight gradient above what the last update expected of it (``surprised``: leaf -> its
     largest value) is computed at a scale an update expecting that value would allow (``highest_total`` of
     it, the margin kept above expected maxima included): it then used up none of that margin, and the

@@ -42,10 +42,12 @@ def float_format(dtype: torch.dtype) -> FloatFormat:
         return FORMATS[dtype]
     except KeyError:
         supported = ", ".join(f"torch.{f.name}" for f in FORMATS.values())
-        raise ValueError(f"GradientScaler: dtype {dtype} is not a supported format; expected one of {supported}") from None
+        raise ValueError(
+            f"GradientScaler: dtype {dtype} is not a supported format; expected one of {supported}"
+        ) from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def widened(dtype: torch.dtype) -> torch.dtype:
     """``dtype`` promoted to fp32 at least, where a power-of-two factor multiplies gradients of that dtype.
 

@@ -43,7 +43,9 @@ def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: 
         return kept[node]
 
     targets = analysis.derive("targets", lambda: [[e[0] for e in edges if e is not None] for edges in graph.edges])
-    order = analysis.derive("kept_downstream order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves)))
+    order = analysis.derive(
+        "kept_downstream order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves))
+    )
     for node in order:
         kept[node] = max((received(t) for t in targets[node]), default=math.inf)
     return {node: int(value) for node, value in kept.items() if math.isfinite(value)}
@@ -103,12 +105,24 @@ def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int,
     unread (:func:`bounded_gains` bounds them): a batch norm's gain
     (:func:`~gs_lightning.scaling.graph.batch_norm_gains`, all computed together), a product by a constant
     (:func:`constant_factor`), a saved first-order gradient (:func:`saved_gradient_gain`)."""
-    candidates = analysis.derive("gain nodes", lambda: [j for j, name in enumerate(graph.names) if _may_have_gain(name)])
-    norms = [(j, operands) for j in candidates if graph.names[j] in BATCH_NORM_NODES and (operands := batch_norm_gain_operands(graph.nodes[j])) is not None]
+    candidates = analysis.derive(
+        "gain nodes", lambda: [j for j, name in enumerate(graph.names) if _may_have_gain(name)]
+    )
+    norms = [
+        (j, operands)
+        for j in candidates
+        if graph.names[j] in BATCH_NORM_NODES and (operands := batch_norm_gain_operands(graph.nodes[j])) is not None
+    ]
     found = list(zip([j for j, _ in norms], batch_norm_gains([operands for _, operands in norms])))
     for j in candidates:
         name = graph.names[j]
-        gain = None if name in BATCH_NORM_NODES else constant_factor(graph.nodes[j]) if name == "MulBackward0" else saved_gradient_gain(graph.nodes[j])
+        gain = (
+            None
+            if name in BATCH_NORM_NODES
+            else constant_factor(graph.nodes[j])
+            if name == "MulBackward0"
+            else saved_gradient_gain(graph.nodes[j])
+        )
         if gain is not None:
             found.append((j, gain))
     return found
@@ -139,7 +153,9 @@ def _may_have_gain(name: str) -> bool:
     return name in BATCH_NORM_NODES or name == "MulBackward0" or _saves_first_order_gradient(name)
 
 
-def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def gains_after(
+    graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[int, torch.Tensor]
+) -> dict[int, torch.Tensor]:
     """Node -> how much the gradient it receives can grow before the next decision point, branch or
     leaf sees it: the product of the batch-norm ``gains`` on the way (the node's own included), the
     largest over the paths; 0-dim tensors on the gains' device, unread. Nodes no gain reaches are left out."""
@@ -147,10 +163,12 @@ def gains_after(graph: AutogradGraph, analysis: GraphAnalysis, gains: Mapping[in
         return {}
 
     targets = analysis.derive(  # a branch bounds its sum again
-        "targets before a branch", lambda: [[e[0] for e in edges if e is not None and e not in analysis.branch_slots] for edges in graph.edges]
+        "targets before a branch",
+        lambda: [[e[0] for e in edges if e is not None and e not in analysis.branch_slots] for edges in graph.edges],
     )
     order = analysis.derive(  # a decision bounds it again too, and a leaf takes it
-        "gains_after order", lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves | analysis.layer_names.keys()))
+        "gains_after order",
+        lambda: list(post_order(len(graph.nodes), targets.__getitem__, analysis.leaves | analysis.layer_names.keys())),
     )
     grown: dict[int, torch.Tensor] = {}
     for node in order:

@@ -122,7 +122,9 @@ def batch_norm_gain_operands(node: Node) -> tuple[torch.Tensor | None, torch.Ten
         weight = saved_tensor(node, "weight")  # None as well without an affine weight
         if weight is None:
             raw = getattr(node, "_raw_saved_weight", None)
-            if raw is not None and raw.unpack_hook is None and node._saved_weight is not None:  # a weight, unreadable now
+            if (
+                raw is not None and raw.unpack_hook is None and node._saved_weight is not None
+            ):  # a weight, unreadable now
                 return None
         return weight, invstd
 
@@ -139,7 +141,9 @@ def batch_norm_gains(operands: list[tuple[torch.Tensor | None, torch.Tensor]]) -
             affine.setdefault(weight.device, []).append(k)
     with torch.no_grad():
         for ks in affine.values():
-            products = torch._foreach_mul(torch._foreach_abs([operands[k][0] for k in ks]), [operands[k][1] for k in ks])
+            products = torch._foreach_mul(
+                torch._foreach_abs([operands[k][0] for k in ks]), [operands[k][1] for k in ks]
+            )
             for k, gain in zip(ks, torch._foreach_max(products)):
                 gains[k] = gain
     return gains  # type: ignore[return-value]
@@ -149,7 +153,8 @@ def batch_norm_gains(operands: list[tuple[torch.Tensor | None, torch.Tensor]]) -
 # Functions to the walk), known by name. RoI pooling is linear in its gradient: a pass-through.
 # ``deform_conv2d`` is a convolution: a GEMM decision point (``GEMM_OPERANDS``, ``probes.py``).
 TORCHVISION_PASS_THROUGH = frozenset(
-    f"GeneratedBackwardFor_torchvision_{op}_defaultBackward" for op in ("roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool")
+    f"GeneratedBackwardFor_torchvision_{op}_defaultBackward"
+    for op in ("roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool")
 )
 # FSDP2's marker at each sharded module's inputs: an identity whose backward starts the module's
 # gradient reduction; the gradient passes through unchanged (an opaque region scaled it as a unit).
@@ -179,7 +184,6 @@ def _storage_freed(tensor: torch.Tensor) -> bool:
         return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
     except (RuntimeError, NotImplementedError):  # no storage of its own (a tensor subclass): not ours to judge
         return False
-
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,9 @@ def _conv_input(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand
     return GemmOperand(weight.shape[0] // node._saved_groups * overlap, weight)
 
 
-def _parameter_as_saved(graph: AutogradGraph, i: int, edge: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+def _parameter_as_saved(
+    graph: AutogradGraph, i: int, edge: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor | None:
     """The parameter behind a matrix operand that cannot be read (checkpointing), laid out as the node saw it.
 
     The layout comes from the node, not from the module: transposed once per transpose on the
@@ -230,7 +236,9 @@ def _parameter_as_saved(graph: AutogradGraph, i: int, edge: int, dtype: torch.dt
     transposes, node = 0, target[0]
     while graph.names[node] != LEAF:
         name = graph.names[node]
-        transposes += name in ("TBackward0", "TransposeBackward0") or (name == "PermuteBackward0" and tuple(graph.nodes[node]._saved_dims) == (1, 0))
+        transposes += name in ("TBackward0", "TransposeBackward0") or (
+            name == "PermuteBackward0" and tuple(graph.nodes[node]._saved_dims) == (1, 0)
+        )
         node = next(e for e in graph.edges[node] if e is not None)[0]
     weight = weight.t() if transposes % 2 else weight
     return weight if tuple(weight.shape) == tuple(shape) else None
@@ -257,7 +265,9 @@ def _deform_conv_input(graph: AutogradGraph, i: int, grad: torch.Tensor) -> Gemm
     return GemmOperand(weight.shape[0] // node.groups * overlap, weight)
 
 
-def _saved_operand(name: str, length: Callable[[torch.Tensor], int]) -> Callable[[AutogradGraph, int, torch.Tensor], GemmOperand]:
+def _saved_operand(
+    name: str, length: Callable[[torch.Tensor], int]
+) -> Callable[[AutogradGraph, int, torch.Tensor], GemmOperand]:
     def operand(graph: AutogradGraph, i: int, grad: torch.Tensor) -> GemmOperand:
         tensor = saved_tensor(graph.nodes[i], name)
         return GemmOperand(length(tensor) if tensor is not None else math.nan, tensor)
@@ -271,10 +281,17 @@ GEMM_OPERANDS: dict[str, dict[int, Callable[[AutogradGraph, int, torch.Tensor], 
     "ConvolutionBackward0": {0: _conv_input},
     "AddmmBackward0": {1: _addmm_mat1, 2: _saved_operand("mat1", lambda t: t.shape[0])},
     "MmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
-    "BmmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
-    "BaddbmmBackward0": {1: _saved_operand("batch2", lambda t: t.shape[-1]), 2: _saved_operand("batch1", lambda t: t.shape[-2])},
+    "BmmBackward0": {
+        0: _saved_operand("mat2", lambda t: t.shape[-1]),
+        1: _saved_operand("self", lambda t: t.shape[-2]),
+    },
+    "BaddbmmBackward0": {
+        1: _saved_operand("batch2", lambda t: t.shape[-1]),
+        2: _saved_operand("batch1", lambda t: t.shape[-2]),
+    },
     DEFORM_CONV: {0: _deform_conv_input},
 }
+
 
 def _channel_norm_max(t: torch.Tensor) -> torch.Tensor:
     """The largest L2 norm (fp32) of one channel's values, channels on dim 1.
@@ -405,11 +422,23 @@ class GraphAnalysis:
 
 
 # How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes, a broadcast.
-WEIGHT_PATH = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-                         "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"})
+WEIGHT_PATH = frozenset(
+    {
+        "ToCopyBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+    }
+)
 
 
-def weight_path(names: Sequence[str], edges: Sequence[tuple[Slot | None, ...]], target: int, hops: int = 4) -> tuple[int, ...] | None:
+def weight_path(
+    names: Sequence[str], edges: Sequence[tuple[Slot | None, ...]], target: int, hops: int = 4
+) -> tuple[int, ...] | None:
     """The nodes from ``target`` to the leaf it reaches through :data:`WEIGHT_PATH` nodes with one onward edge
     each, the leaf last, if any: an edge into ``target`` carries a weight gradient.
 
@@ -455,7 +484,9 @@ def _is_opaque(node: Node, name: str) -> bool:
     return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 
 
-def analyze(graph: AutogradGraph, module_names: dict[int, str], data_leaves: frozenset[int] = frozenset()) -> GraphAnalysis:
+def analyze(
+    graph: AutogradGraph, module_names: dict[int, str], data_leaves: frozenset[int] = frozenset()
+) -> GraphAnalysis:
     """Classify the nodes of ``graph`` and name its layers.
 
     Args:
@@ -499,7 +530,9 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str], data_leaves: fro
                 if e is not None and k in GEMM_OPERANDS[name] and weight_leaf(e[0]) is None
             )
             analysis.gemms[i] = data_edges
-            analysis.weight_edges[i] = tuple(k for k, e in enumerate(edges) if e is not None and weight_leaf(e[0]) is not None)
+            analysis.weight_edges[i] = tuple(
+                k for k, e in enumerate(edges) if e is not None and weight_leaf(e[0]) is not None
+            )
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
         elif name in FUSED_EDGES:
             edges = graph.edges[i]
@@ -523,7 +556,9 @@ def analyze(graph: AutogradGraph, module_names: dict[int, str], data_leaves: fro
                     analysis.feeders[edge] = i
     for i in sorted(analysis.fused.keys() - analysis.layer_names.keys()):
         producer = _nearest_gemm(graph, i, analysis)  # attention is named after its input projection
-        analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.attention" if producer is not None else "attention")
+        analysis.layer_names[i] = unique(
+            f"{analysis.layer_names[producer]}.attention" if producer is not None else "attention"
+        )
     for i in sorted(analysis.casts):
         producer = _nearest_gemm(graph, i, analysis)
         analysis.layer_names[i] = unique(f"{analysis.layer_names[producer]}.cast" if producer is not None else "cast")

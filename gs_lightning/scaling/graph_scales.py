@@ -62,7 +62,9 @@ class GraphScales:
         self._first_non_finite: str | None = None
         self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
         self._undecided: set[int] = set()  # positions in _updated of layers that did not decide: no rates applied
-        self._runs: list[tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]] = []  # updates whose scales are unread
+        self._runs: list[
+            tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]
+        ] = []  # updates whose scales are unread
         self.measured_weights: dict[Path, frozenset[int]] = {}
         self.backwards = 0
         self.last_skip = 0
@@ -90,10 +92,15 @@ class GraphScales:
         ``after_read``: what needs their values then. The plan reads them all if asked for first."""
         self.keep_scales(run, plan, (), after_read)
         self._updated = run.decisions.layers  # filled in as read
-        self._first_non_finite, self._unread = None, (list(run.decisions.finite_flags), list(run.decisions.unread_rates))
+        self._first_non_finite, self._unread = (
+            None,
+            (list(run.decisions.finite_flags), list(run.decisions.unread_rates)),
+        )
         self._undecided = run.decisions.undecided
 
-    def keep_scales(self, run: UpdateRun, plan: ScalePlan, path: Path, after_read: Callable[[], None] | None = None) -> None:
+    def keep_scales(
+        self, run: UpdateRun, plan: ScalePlan, path: Path, after_read: Callable[[], None] | None = None
+    ) -> None:
         """A run's plan (a reentrant checkpoint's inner graph's, at ``path``, too), its scales read with the step's (:meth:`unread`)."""
         plan.settle = self._read_update
         self._runs.append((run, plan, path, after_read))
@@ -251,12 +258,23 @@ class GraphRegistry:
 
 def one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
     """A scaler's state saved before it kept one state per graph structure, as :meth:`GraphRegistry.state_dict` has it."""
-    plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []  # saved before nested plans: one
+    plans = (
+        state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []
+    )  # saved before nested plans: one
     root = next((plan for path, plan in plans if not path), None)
     if root is None:
         return []
-    return [{
-        "names": root["names"], "edges": root["edges"], "plans": plans, "drift": state.get("drift", {}),
-        "layer_backoff": state.get("layer_backoff", []), "layers": state["layers"], "first_non_finite": state.get("first_non_finite"),
-        "backwards": state["iteration"], "last_skip": state.get("last_skip", 0), "force_update": state.get("force_update", False),
-    }]
+    return [
+        {
+            "names": root["names"],
+            "edges": root["edges"],
+            "plans": plans,
+            "drift": state.get("drift", {}),
+            "layer_backoff": state.get("layer_backoff", []),
+            "layers": state["layers"],
+            "first_non_finite": state.get("first_non_finite"),
+            "backwards": state["iteration"],
+            "last_skip": state.get("last_skip", 0),
+            "force_update": state.get("force_update", False),
+        }
+    ]

@@ -61,7 +61,9 @@ class Limit(Enum):
 
 _OVERFLOW_BOUNDS = frozenset(list(Limit)[1:10])
 _EXACT = frozenset({Limit.INCOMING_GRADIENT, Limit.BIAS_GRADIENT, Limit.OUTPUT})
-_EXPECTED = frozenset({Limit.EXPECTED_PARAMETER_GRADIENTS, Limit.RECOMPUTED_SPIKES, Limit.FED_PARAMETER_GRADIENTS, Limit.SPIKE_ROOM})
+_EXPECTED = frozenset(
+    {Limit.EXPECTED_PARAMETER_GRADIENTS, Limit.RECOMPUTED_SPIKES, Limit.FED_PARAMETER_GRADIENTS, Limit.SPIKE_ROOM}
+)
 
 
 class Bound(NamedTuple):

@@ -57,7 +57,14 @@ class LeafTargets:
 
 def exponent_vector(exponents: list[Exponent], device: torch.device) -> torch.Tensor:
     """``exponents`` as one float64 vector on ``device``; a Python int is filled in there, not copied from the host."""
-    return torch.stack([e.to(device, torch.float64) if isinstance(e, torch.Tensor) else torch.full((), e, dtype=torch.float64, device=device) for e in exponents])
+    return torch.stack(
+        [
+            e.to(device, torch.float64)
+            if isinstance(e, torch.Tensor)
+            else torch.full((), e, dtype=torch.float64, device=device)
+            for e in exponents
+        ]
+    )
 
 
 def as_read(exponents: dict[Any, Exponent], values: Mapping[torch.Tensor, float]) -> dict[Any, int]:
@@ -65,7 +72,9 @@ def as_read(exponents: dict[Any, Exponent], values: Mapping[torch.Tensor, float]
     return {key: int(values[e]) if isinstance(e, torch.Tensor) else e for key, e in exponents.items()}
 
 
-def edge_shift(graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_alpha: dict[Slot, Exponent], leaves: LeafTargets) -> Exponent:
+def edge_shift(
+    graph: AutogradGraph, edge: Slot | None, alpha: Exponent, slot_alpha: dict[Slot, Exponent], leaves: LeafTargets
+) -> Exponent:
     """log2 of the factor a gradient sent with scale ``2^alpha`` gets on ``edge``.
 
     * into a leaf: to the leaf's target scale (2^0, a parameter's true gradient, in the leaf's own
@@ -185,8 +194,12 @@ class ScalePlan:
     decided_alpha_out: dict[int, Exponent]
     decided_slot_alpha: dict[Slot, Exponent]
     recomputable: frozenset[int] = frozenset()
-    settle: Callable[[], None] | None = field(default=None, repr=False)  # reads the update that decided it, until it did
-    _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(default_factory=dict, repr=False)
+    settle: Callable[[], None] | None = field(
+        default=None, repr=False
+    )  # reads the update that decided it, until it did
+    _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(
+        default_factory=dict, repr=False
+    )
     _shared: dict[frozenset[int], tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
 
     @property
@@ -207,7 +220,10 @@ class ScalePlan:
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
         """The exponents the update left on the device, as read (``values``): Python ints from now on."""
-        self.decided_alpha_out, self.decided_slot_alpha = as_read(self.decided_alpha_out, values), as_read(self.decided_slot_alpha, values)
+        self.decided_alpha_out, self.decided_slot_alpha = (
+            as_read(self.decided_alpha_out, values),
+            as_read(self.decided_slot_alpha, values),
+        )
         self.settle = None
 
     def matches(self, graph: AutogradGraph) -> bool:
@@ -225,7 +241,9 @@ class ScalePlan:
                 handles.append(node.register_hook(post))
         return handles
 
-    def _hooks_for(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, Callable | None, Callable | None]]:
+    def _hooks_for(
+        self, graph: AutogradGraph, leaves: LeafTargets
+    ) -> list[tuple[int, Callable | None, Callable | None]]:
         """(node, pre-hook, post-hook) for the nodes whose gradients change; built once per leaf targets."""
         hooks = self._hooks.get(leaves)
         if hooks is None:
@@ -251,7 +269,9 @@ class ScalePlan:
                 for edge in edges:
                     if edge is not None and edge[0] in leaves:
                         carried[edge[0]].append(self.alpha_out.get(i, 0))
-            found = self._shared[leaves] = tuple(sorted((j, Counter(alphas).most_common(1)[0][0]) for j, alphas in carried.items()))
+            found = self._shared[leaves] = tuple(
+                sorted((j, Counter(alphas).most_common(1)[0][0]) for j, alphas in carried.items())
+            )
         return found
 
     def hook_factors(self, graph: AutogradGraph, leaves: LeafTargets) -> list[tuple[int, tuple | None, tuple | None]]:

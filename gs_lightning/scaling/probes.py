@@ -47,7 +47,11 @@ def weight_probe_elements(
 
 
 def probe(
-    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int = ScalingRecipe.probe_elements
+    node: Node,
+    grad: torch.Tensor,
+    edge: int,
+    operand: torch.Tensor | None,
+    elements: int = ScalingRecipe.probe_elements,
 ) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient ``node`` sends along ``edge``.
 
@@ -84,7 +88,11 @@ def _fp32(device: torch.device) -> torch.autocast | contextlib.nullcontext:
 
     Where autocast is off already, nothing to enter (entering and leaving it costs ~10 µs per probe).
     """
-    return torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
+    return (
+        torch.autocast(device.type, enabled=False)
+        if torch.is_autocast_enabled(device.type)
+        else contextlib.nullcontext()
+    )
 
 
 # --- Subsets -----------------------------------------------------------------------------------
@@ -182,7 +190,8 @@ def _left_grad(grad: torch.Tensor, right: torch.Tensor, alpha: float, elements: 
     else:
         grad, right = _take(grad, 0, bi), _take(right, 0, bi)  # no copy of a whole weight (its batch axis has size 1)
         blocks = [
-            grad[:, ri[t::shifts]].float() @ right[:, _spread(cols, c, grad.device, t, shifts)].float().transpose(-1, -2)
+            grad[:, ri[t::shifts]].float()
+            @ right[:, _spread(cols, c, grad.device, t, shifts)].float().transpose(-1, -2)
             for t in range(shifts)
         ]
     return _times(alpha, blocks[0] if shifts == 1 else torch.cat([block.reshape(-1) for block in blocks]))
@@ -205,7 +214,9 @@ def _times(alpha: float, values: torch.Tensor) -> torch.Tensor:
 def _matmul_probe(left_edge: int, right_edge: int, left: str, right: str) -> Callable:
     """Probe for a node computing Y = (β·bias +) α·left·right, ``left``/``right`` being saved names."""
 
-    def compute(node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int) -> torch.Tensor | None:
+    def compute(
+        node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
+    ) -> torch.Tensor | None:
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if edge == left_edge:
             other = _detached(operand if operand is not None else saved_tensor(node, right))
@@ -242,7 +253,10 @@ def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.
     The subset: output channels evenly spread (whole groups, for a grouped convolution), each
     summed over the whole batch, as the node sums it.
     """
-    inputs, weight = _detached(saved_tensor(node, "input")), _detached(saved_tensor(node, "weight"))  # to fp32 once sliced
+    inputs, weight = (
+        _detached(saved_tensor(node, "input")),
+        _detached(saved_tensor(node, "weight")),
+    )  # to fp32 once sliced
     if inputs is None or weight is None:
         return None
     groups, transposed = node._saved_groups, node._saved_transposed
@@ -258,7 +272,9 @@ def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.
         dim = 1 if transposed else 0
         index = _spread(weight.shape[dim], max(1, elements * weight.shape[dim] // weight.numel()), grad.device)
         grad, weight = _take(grad, 1, index), _take(weight, dim, index)
-    return torch.ops.aten.convolution_backward(grad.float(), inputs.float(), weight.float(), None, *args, groups, [False, True, False])[1]
+    return torch.ops.aten.convolution_backward(
+        grad.float(), inputs.float(), weight.float(), None, *args, groups, [False, True, False]
+    )[1]
 
 
 def _convolution_input(
@@ -278,16 +294,33 @@ def _convolution_input(
     per_group = channels // groups
     (b,), pairs = _sample_counts((batch,), channels, max(1, elements // max(1, math.prod(spatial))))
     g, c = _counts((groups, per_group), pairs)
-    stride, padding, dilation, output_padding = node._saved_stride, node._saved_padding, node._saved_dilation, node._saved_output_padding
+    stride, padding, dilation, output_padding = (
+        node._saved_stride,
+        node._saved_padding,
+        node._saved_dilation,
+        node._saved_output_padding,
+    )
     if (b, g, c) == (batch, groups, per_group):  # all of ∇X: the node's own product, without index or view kernels
         grad = grad.float().contiguous()  # as the copy an index kernel makes
         inputs = grad.new_empty(shape)  # only its shape is read
         return torch.ops.aten.convolution_backward(
-            grad, inputs, weight, None, stride, padding, dilation, transposed, output_padding, groups, [True, False, False]
+            grad,
+            inputs,
+            weight,
+            None,
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+            [True, False, False],
         )[0]
     kernel = weight.shape[2:]
     # Input channels index dim 0 of a transposed conv's weight, dim 1 of a conv's.
-    weight = weight.reshape(groups, per_group, -1, *kernel) if transposed else weight.reshape(groups, -1, per_group, *kernel)
+    weight = (
+        weight.reshape(groups, per_group, -1, *kernel) if transposed else weight.reshape(groups, -1, per_group, *kernel)
+    )
     grad = grad[_spread(batch, b, grad.device)].reshape(b, groups, -1, *grad.shape[2:])
     shifts = _shifts(b, channels, g * c)
     blocks = []
@@ -433,7 +466,12 @@ def _sum_groups(per_query_head: torch.Tensor, group: int) -> torch.Tensor:
 # --- Fused recurrent layers --------------------------------------------------------------------
 
 # cuDNN's and oneDNN's mode codes, and the cell computing one step in each mode.
-_RNN_CELLS: dict[int, Callable] = {0: torch.rnn_relu_cell, 1: torch.rnn_tanh_cell, 2: torch.lstm_cell, 3: torch.gru_cell}
+_RNN_CELLS: dict[int, Callable] = {
+    0: torch.rnn_relu_cell,
+    1: torch.rnn_tanh_cell,
+    2: torch.lstm_cell,
+    3: torch.gru_cell,
+}
 _LSTM = 2
 
 # Per fused RNN node type: the edges whose gradient :func:`rnn_probe` computes (input; for oneDNN's
@@ -487,7 +525,9 @@ def rnn_probe(
         hx = hx[:, index].float().requires_grad_()
         cx = None if cx is None else cx[:, index].float().requires_grad_()
         output, hy, cy = _recurrence(x, hx, cx, layers, mode)
-        pairs = [(t, g) for t, g in ((output, grad_output), (hy, grad_hy), (cy, grad_cy)) if g is not None and t is not None]
+        pairs = [
+            (t, g) for t, g in ((output, grad_output), (hy, grad_hy), (cy, grad_cy)) if g is not None and t is not None
+        ]
         wanted = x if edge == 0 else hx if edge == 5 else cx
         (result,) = torch.autograd.grad([t for t, _ in pairs], [wanted], [g for _, g in pairs], allow_unused=True)
     result = torch.zeros_like(wanted) if result is None else result.detach()
@@ -525,7 +565,10 @@ def _cudnn_spec(node: Node) -> _RnnSpec | None:
     directions = 2 if node._saved_bidirectional else 1
     per = len(weights) // (node._saved_num_layers * directions)
     layers = [
-        [(weights[(layer * directions + d) * per : (layer * directions + d + 1) * per], d == 1) for d in range(directions)]
+        [
+            (weights[(layer * directions + d) * per : (layer * directions + d + 1) * per], d == 1)
+            for d in range(directions)
+        ]
         for layer in range(node._saved_num_layers)
     ]
     return x, hx, cx, layers, node._saved_mode, node._saved_batch_first

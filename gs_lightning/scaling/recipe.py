@@ -202,14 +202,20 @@ class ScalingRecipe:
         unknown = sorted(changes.keys() - fields)
         if unknown:
             hints = {k: difflib.get_close_matches(k, sorted(fields), n=2) for k in unknown}
-            said = "; ".join(f"{k!r}" + (f" (did you mean {' or '.join(map(repr, h))}?)" if h else "") for k, h in hints.items())
+            said = "; ".join(
+                f"{k!r}" + (f" (did you mean {' or '.join(map(repr, h))}?)" if h else "") for k, h in hints.items()
+            )
             raise TypeError(f"ScalingRecipe has no field {said}. Its fields: {', '.join(sorted(fields))}")
         return dataclasses.replace(self, **changes)
 
     @property
     def measures_drift(self) -> bool:
         """Whether a rule reads the weight gradients' largest values between updates (none in the paper's)."""
-        return self.drift_tolerance_log2 is not None or self.expected_maxima_margin_log2 is not None or self.recompute_weight_gradients
+        return (
+            self.drift_tolerance_log2 is not None
+            or self.expected_maxima_margin_log2 is not None
+            or self.recompute_weight_gradients
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Every field, as plain values."""
@@ -222,7 +228,11 @@ class ScalingRecipe:
 
     def differences(self, other: ScalingRecipe) -> dict[str, tuple[Any, Any]]:
         """Field -> (this value, ``other``'s) where they differ."""
-        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
 
 
 def _is_number(value: Any) -> bool:
@@ -244,5 +254,7 @@ def resolve_recipe(recipe: ScalingRecipe | str | None = None, **fields: Any) -> 
     elif isinstance(recipe, str):
         recipe = ScalingRecipe.named(recipe)
     elif not isinstance(recipe, ScalingRecipe):
-        raise TypeError(f"recipe must be a ScalingRecipe, a preset's name ('default', 'paper') or None, got {type(recipe).__name__}")
+        raise TypeError(
+            f"recipe must be a ScalingRecipe, a preset's name ('default', 'paper') or None, got {type(recipe).__name__}"
+        )
     return recipe.replace(**fields) if fields else recipe

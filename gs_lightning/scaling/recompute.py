@@ -44,9 +44,17 @@ EdgeGradient = Callable[[Node, torch.Tensor, dict[str, torch.Tensor], int], torc
 def _convolution(node: Node, grad: torch.Tensor, operands: dict[str, torch.Tensor], edge: int) -> torch.Tensor:
     if edge == 2:  # the bias: a sum over everything but the channels
         return grad.sum([d for d in range(grad.dim()) if d != 1])
-    args = (node._saved_stride, node._saved_padding, node._saved_dilation, node._saved_transposed,
-            node._saved_output_padding, node._saved_groups)
-    return torch.ops.aten.convolution_backward(grad, operands["input"], operands["weight"], None, *args, [False, True, False])[1]
+    args = (
+        node._saved_stride,
+        node._saved_padding,
+        node._saved_dilation,
+        node._saved_transposed,
+        node._saved_output_padding,
+        node._saved_groups,
+    )
+    return torch.ops.aten.convolution_backward(
+        grad, operands["input"], operands["weight"], None, *args, [False, True, False]
+    )[1]
 
 
 def _matmul(self_edge: int | None, left_edge: int, left: str, right: str) -> EdgeGradient:
@@ -88,7 +96,9 @@ def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> _Parameter | None
     return _Parameter(k, path[-1], path[:-1])
 
 
-def _parameters(graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred: frozenset[int]) -> list[_Parameter] | None:
+def _parameters(
+    graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred: frozenset[int]
+) -> list[_Parameter] | None:
     """GEMM ``i``'s parameter edges, if it is a known node and each leads through layout nodes to a
     parameter whose gradient is deferred; ``None`` otherwise."""
     edges, operands = analysis.weight_edges.get(i, ()), _RECOMPUTE.get(graph.names[i], (None, {}))[1]
@@ -107,7 +117,9 @@ def recomputable(graph: AutogradGraph, analysis: GraphAnalysis, i: int, deferred
     """Whether GEMM node ``i``'s parameter gradients can be recomputed after the backward (:func:`_parameters`),
     its operands readable (not under non-reentrant checkpointing); call it before the node runs."""
     parameters = _parameters(graph, analysis, i, deferred)
-    return parameters is not None and all(saved_tensor(graph.nodes[i], name) is not None for name in _operand_names(graph, i, parameters))
+    return parameters is not None and all(
+        saved_tensor(graph.nodes[i], name) is not None for name in _operand_names(graph, i, parameters)
+    )
 
 
 def _unpacked(node: Node, name: str) -> torch.Tensor | None:
@@ -143,15 +155,21 @@ class WeightGradRecompute:
 
     def __init__(self, lambda_max: float = math.inf) -> None:
         self.lambda_max = lambda_max  # of the format the GEMMs computed the weight gradients in
-        self._operands: dict[int, tuple[dict[str, torch.Tensor], list[_Parameter]]] = {}  # GEMM -> its operands, parameters
+        self._operands: dict[
+            int, tuple[dict[str, torch.Tensor], list[_Parameter]]
+        ] = {}  # GEMM -> its operands, parameters
         self._grads: dict[int, torch.Tensor] = {}  # GEMM -> the gradient it received, once it ran
         self._replayed: tuple[AutogradGraph, ScalePlan] | None = None
         # Per plan (by id, the plan kept to tell a reused id) and deferred leaves: the GEMMs to keep, with their
         # parameters and operand names. They depend on the structure only; found once, not on every replay
         # (54 GEMMs of a ResNet-50: 4.6 ms of Python per iteration).
-        self._targets: dict[tuple[int, frozenset[int]], tuple[ScalePlan, list[tuple[int, list[_Parameter], set[str]]]]] = {}
+        self._targets: dict[
+            tuple[int, frozenset[int]], tuple[ScalePlan, list[tuple[int, list[_Parameter], set[str]]]]
+        ] = {}
 
-    def register(self, graph: AutogradGraph, analysis: GraphAnalysis, plan: ScalePlan, deferred: frozenset[int]) -> list:
+    def register(
+        self, graph: AutogradGraph, analysis: GraphAnalysis, plan: ScalePlan, deferred: frozenset[int]
+    ) -> list:
         """Keep the operands of the plan's recomputable GEMMs, and register pre-hooks that keep the gradient each
         receives; registered after the plan's own, so that they see it at the scale the node uses. A GEMM whose
         parameters' gradients are not deferred this backward (accumulation) keeps nothing; one whose operands
@@ -172,7 +190,9 @@ class WeightGradRecompute:
                 handles.append(node.register_prehook(partial(_keep_grad, self._grads, i)))
         return handles
 
-    def _targets_of(self, graph: AutogradGraph, analysis: GraphAnalysis, plan: ScalePlan, deferred: frozenset[int]) -> list[tuple[int, list[_Parameter], set[str]]]:
+    def _targets_of(
+        self, graph: AutogradGraph, analysis: GraphAnalysis, plan: ScalePlan, deferred: frozenset[int]
+    ) -> list[tuple[int, list[_Parameter], set[str]]]:
         key = (id(plan), deferred)
         cached = self._targets.get(key)
         if cached is not None and cached[0] is plan:

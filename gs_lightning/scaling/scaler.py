@@ -109,8 +109,18 @@ class GradientScaler:
         self._attached = AttachedModels()
         self._backoff = SkipBackoff(self.recipe)
         # Keeps what the replay needs to recompute weight gradients that overflow.
-        self._read = StepRead(WeightGradRecompute(self.format.max), self.format.max, self.recipe.expected_maxima_margin_log2)
-        self._backwards = ScaledBackwards(self.recipe, self.format, self._attached, self._read, self._backoff, weakly(self._warn_once), weakly(self.is_enabled))
+        self._read = StepRead(
+            WeightGradRecompute(self.format.max), self.format.max, self.recipe.expected_maxima_margin_log2
+        )
+        self._backwards = ScaledBackwards(
+            self.recipe,
+            self.format,
+            self._attached,
+            self._read,
+            self._backoff,
+            weakly(self._warn_once),
+            weakly(self.is_enabled),
+        )
         if model is not None:
             self.attach(model)
 
@@ -249,7 +259,9 @@ class GradientScaler:
 
         Reads every such ``.grad`` and synchronises once (twice after a recompute).
         """
-        return self._read.non_finite([v.grad for v in self._backwards.written.values() if v.grad is not None], self._attached.sharded)
+        return self._read.non_finite(
+            [v.grad for v in self._backwards.written.values() if v.grad is not None], self._attached.sharded
+        )
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``: the gradients are already true, so this only checks them.
@@ -280,7 +292,9 @@ class GradientScaler:
             optimizer.step(*args, **kwargs)
             return True
         if self._steps.overflowed(optimizer, partial(self._non_finite, optimizer)):
-            if self._steps.skip():  # the iteration's first: cap what overflowed, restore the buffers, stop a diverged run
+            if (
+                self._steps.skip()
+            ):  # the iteration's first: cap what overflowed, restore the buffers, stop a diverged run
                 self._steps.check_diverged(self._backwards.skipped())
             return False
         optimizer.step(*args, **kwargs)
@@ -290,7 +304,10 @@ class GradientScaler:
 
     def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether one of ``optimizer``'s gradients is non-finite, every one read."""
-        return self._read.non_finite([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], self._attached.sharded)
+        return self._read.non_finite(
+            [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None],
+            self._attached.sharded,
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.
@@ -354,11 +371,16 @@ class GradientScaler:
         """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
         _check_state(state, self.recipe)
         backwards = self._backwards
-        backwards.iteration, backwards.update_iterations = int(state["iteration"]), int(state.get("update_iterations", 0))
+        backwards.iteration, backwards.update_iterations = (
+            int(state["iteration"]),
+            int(state.get("update_iterations", 0)),
+        )
         self._steps.load_state_dict(state)
         self._read.recomputed_steps = int(state.get("recomputed_steps", 0))
         self._backoff.cap = state["backoff"]
-        backwards.graphs.load_state_dict(state["graphs"] if "graphs" in state else one_graph_state(state), backwards.new_drift)
+        backwards.graphs.load_state_dict(
+            state["graphs"] if "graphs" in state else one_graph_state(state), backwards.new_drift
+        )
 
     # Pickling and copy.deepcopy keep the settings and the state_dict(): no model, no state of an iteration in progress.
 

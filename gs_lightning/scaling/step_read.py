@@ -76,11 +76,19 @@ class StepRead:
         unread = self._unread
         pending = [graph.drift.pending() for graph in unread]
         queued = [t for tensors in pending for t in tensors]
-        local = [_local(g) for g in grads]  # a sharded gradient (FSDP2's DTensor): this rank's shard, flag reduced below
-        dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())  # queued first
+        local = [
+            _local(g) for g in grads
+        ]  # a sharded gradient (FSDP2's DTensor): this rank's shard, flag reduced below
+        dense = list(
+            {id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values()
+        )  # queued first
         readings = [largest_magnitudes(dense)] if dense else []
-        readings += unscale_and_check_(g for g in local if g.is_sparse)  # their values, coalesced where fp16 duplicates may overflow
-        left = [graph.unread() for graph in unread]  # what the updates left on the device: read here, not in their backwards
+        readings += unscale_and_check_(
+            g for g in local if g.is_sparse
+        )  # their values, coalesced where fp16 duplicates may overflow
+        left = [
+            graph.unread() for graph in unread
+        ]  # what the updates left on the device: read here, not in their backwards
         updates = [t for tensors in left for t in tensors]
         checked = sum(r.numel() for r in readings)
         if updates:
@@ -91,7 +99,9 @@ class StepRead:
         maxima = [values[index[id(t)]] for t in local if id(t) in index]
         non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
         if sharded or any(g is not t for g, t in zip(grads, local)):
-            non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)  # every rank joins, gradients or not
+            non_finite = _any_rank(
+                non_finite, (dense or local or [torch.zeros(())])[0].device
+            )  # every rank joins, gradients or not
         if not unread:
             return non_finite
         self._unread = []

@@ -163,7 +163,9 @@ def _checked_length(accumulation_length: float) -> float:
     return float(accumulation_length)
 
 
-def cast_min_log2_scale(log_mean: float | torch.Tensor, log_std: float | torch.Tensor, lambda_min: float, target: float) -> float | torch.Tensor:
+def cast_min_log2_scale(
+    log_mean: float | torch.Tensor, log_std: float | torch.Tensor, lambda_min: float, target: float
+) -> float | torch.Tensor:
     """Theorem 2 solved for α: ln α ≥ ln λmin − μ − √2 σ erfinv(2γ' − 1), returned as log2 α (a tensor, unread, for tensors)."""
     ln_alpha = math.log(lambda_min) - log_mean - _SQRT2 * log_std * erfinv(2.0 * target - 1.0)
     return ln_alpha / math.log(2.0)
@@ -196,7 +198,9 @@ def choose_log2_scale(
     float64 tensor.
     """
     lower = as_float64(lower)
-    return below_bounds(sufficient_log2_scale(torch.ceil(lower), finite(lower)), highest_below(upper, lower.device), ceiling)
+    return below_bounds(
+        sufficient_log2_scale(torch.ceil(lower), finite(lower)), highest_below(upper, lower.device), ceiling
+    )
 
 
 def sufficient_log2_scale(rounded_up: torch.Tensor, is_finite: torch.Tensor) -> torch.Tensor:
@@ -210,7 +214,9 @@ def highest_below(upper: float | torch.Tensor, device: torch.device) -> torch.Te
     return torch.ceil(as_float64(upper, device)) - 1.0
 
 
-def below_bounds(exponent: torch.Tensor, highest: torch.Tensor, ceiling: int | torch.Tensor | None = None) -> torch.Tensor:
+def below_bounds(
+    exponent: torch.Tensor, highest: torch.Tensor, ceiling: int | torch.Tensor | None = None
+) -> torch.Tensor:
     """``exponent`` lowered to ``highest`` (:func:`highest_below` an overflow bound) and to ``ceiling``."""
     exponent = torch.minimum(exponent, highest)
     if ceiling is None:
@@ -334,7 +340,9 @@ class ExactSample:
         return underflow_counts([self], log2_scale, lambda_min)[0]
 
 
-def underflow_counts(samples: Sequence[ExactSample], log2_scale: int | torch.Tensor, lambda_min: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def underflow_counts(
+    samples: Sequence[ExactSample], log2_scale: int | torch.Tensor, lambda_min: float
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:meth:`ExactSample.underflow_count` of each of ``samples`` at one scale (a decision's probes), its threshold made once."""
     # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first. A 0-dim
     # threshold is compared in the values' fp32, as a Python scalar would be.
@@ -379,7 +387,9 @@ def _breakpoints(largest: int, rate: float, risk: float, device: torch.device) -
     k = torch.arange(1, largest + 1, dtype=torch.float64, device=device)
     low = k - 1.0  # P(Binomial(n, rate) ≤ k − 1) = 1 > risk for n ≤ k − 1
     high = torch.ceil((k + 10.0 * k.sqrt() + 30.0) / rate)  # far in the tail: the CDF is below any risk there
-    steps = math.ceil(math.log2((largest + 10.0 * math.sqrt(largest) + 30.0) / rate + 1.0))  # halvings to width 1, for every k
+    steps = math.ceil(
+        math.log2((largest + 10.0 * math.sqrt(largest) + 30.0) / rate + 1.0)
+    )  # halvings to width 1, for every k
     for start in range(0, largest, 1024):  # a bounded matrix of terms at a time
         rows = slice(start, min(start + 1024, largest))
         for _ in range(steps):
@@ -402,8 +412,11 @@ def _log_binomial_cdf(n: torch.Tensor, at: torch.Tensor, most: int, rate: float)
     below_mode = at < torch.floor((n + 1.0) * rate)
     n = n[:, None]
     log_pmf = (
-        torch.lgamma(n + 1.0) - torch.lgamma(j.clamp_min(0.0) + 1.0) - torch.lgamma((n - j).clamp_min(0.0) + 1.0)
-        + j * math.log(rate) + (n - j) * math.log1p(-rate)
+        torch.lgamma(n + 1.0)
+        - torch.lgamma(j.clamp_min(0.0) + 1.0)
+        - torch.lgamma((n - j).clamp_min(0.0) + 1.0)
+        + j * math.log(rate)
+        + (n - j) * math.log1p(-rate)
     )
     return torch.where(below_mode, torch.logsumexp(torch.where(j >= 0.0, log_pmf, -math.inf), dim=1), 0.0)
 

@@ -131,7 +131,13 @@ class UpdateRun:
 
     def plan(self) -> ScalePlan:
         """The decided scales, to replay on the iterations until the next update (left on the device until read: :meth:`ScalePlan.read_in`)."""
-        return ScalePlan(tuple(self.graph.names), tuple(self.graph.edges), dict(self.alpha_out), dict(self.slot_alpha), frozenset(self.bounds.recomputable))
+        return ScalePlan(
+            tuple(self.graph.names),
+            tuple(self.graph.edges),
+            dict(self.alpha_out),
+            dict(self.slot_alpha),
+            frozenset(self.bounds.recomputable),
+        )
 
     def absorb(self, inner: UpdateRun) -> None:
         """Take over what the run of a reentrant checkpoint's inner graph decided, in backward order.
@@ -147,7 +153,9 @@ class UpdateRun:
             taken.add(name)
             self.layers.append(replace(layer, name=name))
         self.decisions.finite_flags += inner.decisions.finite_flags
-        self.decisions.unread_rates += [replace(rates, index=rates.index + offset) for rates in inner.decisions.unread_rates]
+        self.decisions.unread_rates += [
+            replace(rates, index=rates.index + offset) for rates in inner.decisions.unread_rates
+        ]
 
     # Pre-hook: merge the incoming slots to one scale, then apply the node's local scale.
     @outside_low_precision_modes
@@ -169,11 +177,15 @@ class UpdateRun:
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
-    def _decide(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
+    def _decide(
+        self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent
+    ) -> Exponent:
         with profiled("GradientScaler.decide", self.analysis.layer_names[i]):
             return self._decision(i, grad, grad_extremes, grads, alpha)
 
-    def _decision(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent) -> Exponent:
+    def _decision(
+        self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent
+    ) -> Exponent:
         if i in self.analysis.opaque:
             return self.decisions.opaque_probe(i, grad_extremes, alpha)
         try:

@@ -67,7 +67,9 @@ class DelayedScaling:
         if not isinstance(amax_history_len, int) or amax_history_len < 1:
             raise ValueError(f"DelayedScaling: amax_history_len must be a positive integer, got {amax_history_len!r}")
         if amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(f"DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+            raise ValueError(
+                f"DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}"
+            )
         self.margin = margin
         self.amax_history_len = amax_history_len
         self.amax_compute_algo = amax_compute_algo
@@ -84,7 +86,9 @@ class DelayedScaling:
         if self._fp8_max is None:
             self._fp8_max = fp8_max
         elif self._fp8_max != fp8_max:
-            raise ValueError(f"DelayedScaling: used with {fp8_dtype} after another fp8 format; use one instance per format")
+            raise ValueError(
+                f"DelayedScaling: used with {fp8_dtype} after another fp8 format; use one instance per format"
+            )
         k = len(self._amaxes)
         self._amaxes.append(torch.linalg.vector_norm(values.detach(), ord=float("inf"), dtype=torch.float32))
         scale = self.scale[k] if k < self.scale.numel() else torch.ones((), dtype=torch.float32)

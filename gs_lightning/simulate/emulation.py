@@ -30,7 +30,9 @@ from gs_lightning.simulate.rounding import EMULATED_DTYPES, GRAD_DTYPES, round_t
 aten = torch.ops.aten
 
 # GEMMs autocast runs in low precision; in a backward pass their outputs are gradients.
-_GEMMS = frozenset({aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+_GEMMS = frozenset(
+    {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+)
 _CONV_BACKWARD = aten.convolution_backward.default
 _BIAS_GEMMS = frozenset({aten.addmm.default, aten.baddbmm.default})  # operands 1 and 2 are the matrices
 # Also slow with fp16 inputs on CPUs (60x fp32 in training mode), not GEMMs: computed in fp32 as
@@ -54,7 +56,9 @@ class UnderflowMeter:
 
     def __init__(self, oracle_format: torch.dtype | None = None) -> None:
         if oracle_format is not None and oracle_format not in GRAD_DTYPES:
-            raise ValueError(f"UnderflowMeter: oracle_format must be None or one of {list(GRAD_DTYPES)}, got {oracle_format!r}")
+            raise ValueError(
+                f"UnderflowMeter: oracle_format must be None or one of {list(GRAD_DTYPES)}, got {oracle_format!r}"
+            )
         self.oracle_format = oracle_format
         self._pending: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -156,11 +160,15 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"emulate: grad_dtype must be None or one of {list(GRAD_DTYPES)}, got {grad_dtype!r}")
         if grad_scaling is not None and grad_dtype not in (torch.float8_e5m2, torch.float8_e4m3fn):
-            raise ValueError(f"emulate: grad_scaling needs an fp8 grad_dtype (float8_e5m2 or float8_e4m3fn), got {grad_dtype!r}")
+            raise ValueError(
+                f"emulate: grad_scaling needs an fp8 grad_dtype (float8_e5m2 or float8_e4m3fn), got {grad_dtype!r}"
+            )
         if grad_rounding not in ("output", "entering"):
             raise ValueError(f"emulate: grad_rounding must be 'output' or 'entering', got {grad_rounding!r}")
         if grad_rounding == "entering" and grad_dtype in (None, dtype):
-            raise ValueError(f"emulate: grad_rounding='entering' needs a grad_dtype other than dtype ({dtype}), got {grad_dtype!r}")
+            raise ValueError(
+                f"emulate: grad_rounding='entering' needs a grad_dtype other than dtype ({dtype}), got {grad_dtype!r}"
+            )
         self.dtype = dtype
         self.grad_dtype = grad_dtype if grad_dtype is not None else dtype
         self.grad_scaling = grad_scaling
@@ -180,7 +188,9 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
     def __exit__(self, *exc: object) -> None:
         self._modes.stack.pop().__exit__(*exc)
 
-    def _cast_grad(self, exact: torch.Tensor | None, block_dims: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor | None:
+    def _cast_grad(
+        self, exact: torch.Tensor | None, block_dims: tuple[int, ...], out_dtype: torch.dtype
+    ) -> torch.Tensor | None:
         if exact is None:
             return None
         if self.grad_scaling is not None:
@@ -206,8 +216,11 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
             # MX blocks along the dimension the next GEMM reduces: ∇X's channels (the next
             # layer's ∇X GEMM), ∇W's fan-in (a row of the weight matrix).
             weight_dims = tuple(range(1, args[2].dim()))
-            return (self._cast_grad(grad_input, (1,), self.dtype), self._cast_grad(grad_weight, weight_dims, self.dtype),
-                    _maybe_to(grad_bias, self.dtype))
+            return (
+                self._cast_grad(grad_input, (1,), self.dtype),
+                self._cast_grad(grad_weight, weight_dims, self.dtype),
+                _maybe_to(grad_bias, self.dtype),
+            )
         if torch._C._current_autograd_node() is not None:  # called by a backward node: a gradient
             return self._cast_grad(exact, (-1,), self.dtype)
         return exact.to(self.dtype)
@@ -221,7 +234,10 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         first = 1 if func in _BIAS_GEMMS else 0
         saved = _saved_storages(node)
         operands = list(_to_fp32(args))
-        for position, block_dim in ((first, -1), (first + 1, -2)):  # a GEMM reduces its first operand's last dim, its second's second-to-last
+        for position, block_dim in (
+            (first, -1),
+            (first + 1, -2),
+        ):  # a GEMM reduces its first operand's last dim, its second's second-to-last
             if args[position].untyped_storage().data_ptr() not in saved:
                 operands[position] = self._cast_grad(operands[position], (block_dim,), torch.float32)
         return func(*operands, **_to_fp32(kwargs)).to(self.dtype)

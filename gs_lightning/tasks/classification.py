@@ -126,7 +126,9 @@ class ClassificationTask(ShardedTask):
         self.log("train/loss", loss, prog_bar=True, batch_size=images.size(0))
         return loss
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], prefix: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
+    def _evaluate(
+        self, batch: tuple[Tensor, Tensor], prefix: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
+    ) -> None:
         images, labels = batch
         logits = self(images)
         batch_size = images.size(0)
@@ -154,9 +156,7 @@ class ClassificationTask(ShardedTask):
         """SGD over two weight-decay groups, with a per-step warmup + multi-step LambdaLR."""
         total_steps = self.trainer.estimated_stepping_batches
         if not math.isfinite(total_steps):
-            raise ValueError(
-                "ClassificationTask needs a finite run: set Trainer(max_epochs=...) or max_steps"
-            )
+            raise ValueError("ClassificationTask needs a finite run: set Trainer(max_epochs=...) or max_steps")
         optimizer = torch.optim.SGD(
             weight_decay_param_groups(self.model, self.hparams.weight_decay),
             lr=self.scaled_lr(),

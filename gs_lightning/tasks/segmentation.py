@@ -63,9 +63,7 @@ class SegmentationTask(ShardedTask):
             # All-ones weights give the unweighted loss and keep the checkpoint layout fixed.
             class_weights = torch.ones(num_classes)
         elif class_weights.shape != (num_classes,):
-            raise ValueError(
-                f"class_weights must have shape ({num_classes},), got {tuple(class_weights.shape)}"
-            )
+            raise ValueError(f"class_weights must have shape ({num_classes},), got {tuple(class_weights.shape)}")
         self.register_buffer("class_weights", class_weights.detach().clone().float())
         self.val_metrics = SegmentationMetrics(num_classes, ignore_index)
         self.test_metrics = SegmentationMetrics(num_classes, ignore_index)
@@ -83,9 +81,7 @@ class SegmentationTask(ShardedTask):
 
     def _loss(self, logits: Tensor, masks: Tensor) -> Tensor:
         # cross_entropy runs in float32 under autocast, even for fp16 logits.
-        return F.cross_entropy(
-            logits, masks, weight=self.class_weights, ignore_index=self.hparams.ignore_index
-        )
+        return F.cross_entropy(logits, masks, weight=self.class_weights, ignore_index=self.hparams.ignore_index)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Weighted cross-entropy of one batch."""

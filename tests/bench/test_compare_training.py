@@ -15,15 +15,21 @@ def compare_training(bench_module):
     return bench_module("compare_training")
 
 
-def test_quick_runs_every_method_and_reports_it(compare_training, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_quick_runs_every_method_and_reports_it(
+    compare_training, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     runs_file = tmp_path / "runs.json"
     common = ["--quick", "--steps", "2", "--underflow-every", "1", "--cache", str(tmp_path / "data")]
     # Every method on the two cheap tasks; SSD300 (slow on a CPU) with one method per gradient format.
-    runs = compare_training.main([*common, "--tasks", "segnet", "resnet", "--methods", *compare_training.METHODS, "--json", str(runs_file)])
+    runs = compare_training.main(
+        [*common, "--tasks", "segnet", "resnet", "--methods", *compare_training.METHODS, "--json", str(runs_file)]
+    )
     runs += compare_training.main([*common, "--tasks", "ssd", "--methods", "fp32", "fp16-gs", "e5m2-amax-dynamic"])
     assert {(r.task, r.method) for r in runs} == {
         *((task, method) for task in ("segnet", "resnet") for method in compare_training.METHODS),
-        ("ssd", "fp32"), ("ssd", "fp16-gs"), ("ssd", "e5m2-amax-dynamic"),
+        ("ssd", "fp32"),
+        ("ssd", "fp16-gs"),
+        ("ssd", "e5m2-amax-dynamic"),
     }
     # Every method but the fp8 recipes gives each cast tensor one power-of-two scale: the oracle is its floor.
     recipes = ("amax", "delayed", "current", "mx")
@@ -31,14 +37,18 @@ def test_quick_runs_every_method_and_reports_it(compare_training, tmp_path: Path
         assert math.isfinite(run.metric) and len(run.losses) == 2
         method = compare_training.METHODS[run.method]
         assert (run.underflow is not None) == (run.oracle_underflow is not None) == method.emulated, run
-        assert (run.update_iterations is not None) == run.method.endswith("-gs") and (run.update_iterations or 1) >= 1, run
+        assert (run.update_iterations is not None) == run.method.endswith("-gs") and (
+            run.update_iterations or 1
+        ) >= 1, run
         assert (run.grads, run.label) == (method.grads, method.label)
         assert run.grad_rounding == (method.grad_rounding if method.emulated else None)
         if method.emulated and not any(recipe in run.method for recipe in recipes):
             assert run.underflow >= run.oracle_underflow, run
     entering = {k for k, m in compare_training.METHODS.items() if m.grad_rounding == "entering"}
     assert {"e5m2-in-current", "e4m3-in-mx", "e5m2-in-gs"} <= entering
-    assert {"e5m2-current", "e4m3-mx"} <= set(compare_training.DEFAULT_METHODS) and "e4m3-in-mx" in compare_training.DEFAULT_METHODS
+    assert {"e5m2-current", "e4m3-mx"} <= set(
+        compare_training.DEFAULT_METHODS
+    ) and "e4m3-in-mx" in compare_training.DEFAULT_METHODS
     records = json.loads(runs_file.read_text())
     assert len(records) == 2 * len(compare_training.METHODS)
     assert {"oracle_underflow", "grads", "label", "grad_rounding", "seconds"} <= records[0].keys()
@@ -48,13 +58,30 @@ def test_quick_runs_every_method_and_reports_it(compare_training, tmp_path: Path
     table = capsys.readouterr().out
     assert table.count("| segnet |") == len(compare_training.METHODS) and "| resnet | e5m2 | GS |" in table
     assert "| per-tensor oracle |" in table and "| resnet | bf16 + e4m3fn ∇Y | MX blocks of 32 (MXFP8) |" in table
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["compare_training_resnet.png", "compare_training_segnet.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "compare_training_resnet.png",
+        "compare_training_segnet.png",
+    ]
 
 
-def test_deep_task_reports_its_gradient_spread_and_trains(compare_training, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_deep_task_reports_its_gradient_spread_and_trains(
+    compare_training, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     methods = ["fp32", "fp16-none", "fp16-dynamic", "fp16-gs"]
-    runs = compare_training.main(["--quick", "--steps", "2", "--cache", str(tmp_path / "data"), "--tasks", "deep",
-                                  "--gradient-magnitudes", "--methods", *methods])
+    runs = compare_training.main(
+        [
+            "--quick",
+            "--steps",
+            "2",
+            "--cache",
+            str(tmp_path / "data"),
+            "--tasks",
+            "deep",
+            "--gradient-magnitudes",
+            "--methods",
+            *methods,
+        ]
+    )
     assert [r.method for r in runs] == methods
     assert all(math.isfinite(r.metric) and r.metric_name == "mIoU" for r in runs)
     printed = capsys.readouterr().out
@@ -79,7 +106,9 @@ def test_deep_task_trains_as_the_unscaled_network_in_fp32(bench_module, tmp_path
     input_scale = 2.0 ** sum(gains)  # what the scaled network's product of gains does to its input
     optimizers = task.make_optimizer(scaled), torch.optim.Adam(unscaled.parameters(), lr=task.lr, eps=1e-8)
     for step in range(3):
-        images, labels = task.batch(torch.arange(step * task.batch_size, (step + 1) * task.batch_size) % len(task.train[0]))
+        images, labels = task.batch(
+            torch.arange(step * task.batch_size, (step + 1) * task.batch_size) % len(task.train[0])
+        )
         losses = task.loss(scaled, images, labels), task.loss(unscaled, images * input_scale, labels)
         assert torch.equal(*losses)
         for optimizer, loss in zip(optimizers, losses):

@@ -29,12 +29,21 @@ def test_the_peak_counts_what_a_function_frees_before_it_returns(memory) -> None
     assert device_memory.in_use() - start < 2**20
 
 
-def test_gs_between_updates_holds_the_activations_until_the_step_only_with_the_fp32_recompute(memory, bench_module) -> None:
+def test_gs_between_updates_holds_the_activations_until_the_step_only_with_the_fp32_recompute(
+    memory, bench_module
+) -> None:
     bench, device_memory = memory
     overhead = bench_module("overhead")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
 
     def loss() -> torch.Tensor:
@@ -44,7 +53,9 @@ def test_gs_between_updates_holds_the_activations_until_the_step_only_with_the_f
         scaler = GradientScaler(model, update_interval=10**9, **recipe_fields)
         return bench.Method(scaler.backward, partial(overhead.gradient_scaling_check, scaler), scaler)
 
-    plain = bench.measure(device_memory, model, loss, bench.Method(lambda value: value.backward(), lambda: None), replay=False)
+    plain = bench.measure(
+        device_memory, model, loss, bench.Method(lambda value: value.backward(), lambda: None), replay=False
+    )
     kept = bench.measure(device_memory, model, loss, gs_method(), replay=True)
     not_kept = bench.measure(device_memory, model, loss, gs_method(recompute_weight_gradients=False), replay=True)
     activation = 8 * 32 * 32 * 32 * 4 / 2**20  # one conv's output (or input to the second), MiB

@@ -20,7 +20,9 @@ def ssd_finetune(bench_module):
 
 
 @pytest.mark.slow  # ~35 s of CPU: data, pretraining and three SSD300 runs
-def test_quick_run_records_skips_scales_and_underflow_per_group(ssd_finetune, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_quick_run_records_skips_scales_and_underflow_per_group(
+    ssd_finetune, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     meter = ssd_finetune.GroupedUnderflowMeter()
     task, pretrain = ssd_finetune.finetune_task(ssd_finetune.QUICK, tmp_path / "data", tmp_path / "weights", meter)
     (cached,) = (tmp_path / "weights").iterdir()
@@ -34,7 +36,10 @@ def test_quick_run_records_skips_scales_and_underflow_per_group(ssd_finetune, tm
         assert meter.counts == {"heads": HEAD_TENSORS, "backbone": BACKBONE_TENSORS}, key
         assert math.isfinite(run.metric) and len(run.losses) == 2
         assert len(run.skipped_at) == run.skipped_steps and all(0 <= s < 2 for s in run.skipped_at)
-        assert all(v is not None for v in run.underflow_groups.values()) and set(run.underflow_groups) == {"heads", "backbone"}
+        assert all(v is not None for v in run.underflow_groups.values()) and set(run.underflow_groups) == {
+            "heads",
+            "backbone",
+        }
         runs.append(run)
     dynamic, gs, fixed = runs
     # One loss scale for every layer: 2^16 halved per skipped step.
@@ -49,7 +54,10 @@ def test_quick_run_records_skips_scales_and_underflow_per_group(ssd_finetune, tm
     ssd_finetune.main(["--report", str(runs_file), "--plots", str(tmp_path / "plots")])
     table = capsys.readouterr().out
     assert "| fp16 | dynamic loss scale |" in table and "| e5m2 | fixed loss scale 2^3 (best fixed) |" in table
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["ssd_finetune_scales.png", "ssd_finetune_skips.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "ssd_finetune_scales.png",
+        "ssd_finetune_skips.png",
+    ]
 
 
 def test_rejects_non_positive_steps(ssd_finetune) -> None:

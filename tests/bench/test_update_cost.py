@@ -59,7 +59,9 @@ def test_gradients_that_differ_are_reported_not_exact(update_cost) -> None:
     assert "NO (no, no)" in update_cost.report([result])
 
 
-def test_a_model_that_fails_is_a_row_and_unknown_families_are_refused(update_cost, capsys: pytest.CaptureFixture) -> None:
+def test_a_model_that_fails_is_a_row_and_unknown_families_are_refused(
+    update_cost, capsys: pytest.CaptureFixture
+) -> None:
     def build(batch_scale: int, device: str):
         raise RuntimeError("no such layer")
 

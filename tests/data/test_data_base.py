@@ -115,4 +115,6 @@ def test_generated_dataset_reads_each_generators_marker(camvid_root: Path, tmp_p
     assert marker == voc / "VOCdevkit" / ".synthetic_voc.json" and settings["n_trainval"] == 1
     (tmp_path / "real" / "train").mkdir(parents=True)
     assert generated_dataset(tmp_path / "real") is None
-    assert all(module.layout.startswith("expected ") for module in (CamVidDataModule, ImageNetDataModule, VOCDataModule))
+    assert all(
+        module.layout.startswith("expected ") for module in (CamVidDataModule, ImageNetDataModule, VOCDataModule)
+    )

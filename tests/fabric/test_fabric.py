@@ -129,7 +129,9 @@ def test_skipped_first_step_restores_batch_norm_statistics(fabric_package: str) 
     """An inf in the first batch reaches BatchNorm's running statistics; the skipped step puts them back."""
     plugin = GradientScalingPlugin()
     torch.manual_seed(0)
-    fabric, model, optimizer = launch(fabric_package, plugin, nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)))
+    fabric, model, optimizer = launch(
+        fabric_package, plugin, nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    )
     initial = [b.clone() for b in model.buffers()]
     x, y = next(iter(loader()))
     x[0, 0] = float("inf")
@@ -151,14 +153,17 @@ def test_emulated_fp8_gradients_with_gradient_scaling(fabric_package: str) -> No
     fabric, model, optimizer = launch(fabric_package, plugin, net())
     x, y = next(iter(loader()))
     fabric.backward(F.cross_entropy(model(x), y))
-    significands = [torch.frexp(m.weight.grad[m.weight.grad != 0])[0] * 8 for m in model.modules() if isinstance(m, nn.Linear)]
+    significands = [
+        torch.frexp(m.weight.grad[m.weight.grad != 0])[0] * 8 for m in model.modules() if isinstance(m, nn.Linear)
+    ]
     assert len(significands) == 2 and all(torch.equal(s, s.round()) for s in significands)
     assert plugin.scaler.format.name == "float8_e5m2"
 
 
-
 @pytest.mark.parametrize("scaler_built_first", [False, True], ids=["setup-then-forward", "scaler-before-second-setup"])
-def test_a_skipped_step_restores_the_buffers_of_every_module_set_up(fabric_package: str, scaler_built_first: bool) -> None:
+def test_a_skipped_step_restores_the_buffers_of_every_module_set_up(
+    fabric_package: str, scaler_built_first: bool
+) -> None:
     """A GAN set up model by model: the discriminator's BatchNorm statistics are restored too (issue 15)."""
     plugin = GradientScalingPlugin()
     fabric = import_module(fabric_package).Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -196,7 +201,9 @@ def test_a_compiled_model_set_up_without_recompiling_gets_per_layer_scales(fabri
     plugin = GradientScalingPlugin()
     compiled = torch.compile(net(), backend="aot_eager")
     fabric = import_module(fabric_package).Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    model, optimizer = fabric.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9), _reapply_compile=False)
+    model, optimizer = fabric.setup(
+        compiled, torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9), _reapply_compile=False
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no opaque region, no eager fallback
         assert train(fabric, model, optimizer, steps=4) == [True, True, True, True]

@@ -69,7 +69,9 @@ def test_amp_precision_optimizer_step_with_scaler() -> None:
     scaler.update.assert_called_once()
 
 
-@pytest.mark.parametrize("plugin", [GradientScalingPlugin, gs_lightning.GradientScalingPlugin], ids=["fabric", "trainer"])
+@pytest.mark.parametrize(
+    "plugin", [GradientScalingPlugin, gs_lightning.GradientScalingPlugin], ids=["fabric", "trainer"]
+)
 def test_default_dtype_is_restored(plugin) -> None:
     """test_all.py (Fabric's and the Trainer's): a plugin's init context (``init_context`` then, now
     ``tensor_init_context`` and ``module_init_context``) restores the default dtype even when the block

@@ -48,7 +48,12 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     results = {}
     for name, policy in (("plugin", FSDPGradientScalingPlugin().mixed_precision_config), ("float16", fp16_policy)):
         plugin = FSDPGradientScalingPlugin()
-        model = FSDP(plugin.convert_module(copy.deepcopy(net)), mixed_precision=policy, use_orig_params=True, device_id=torch.device("cpu"))
+        model = FSDP(
+            plugin.convert_module(copy.deepcopy(net)),
+            mixed_precision=policy,
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
         with plugin.forward_context():
             loss = nn.functional.cross_entropy(model(plugin.convert_input(x[rank::2])), y[rank::2]) * SHRINK
         try:
@@ -99,8 +104,12 @@ def test_fabric_fsdp_strategy_takes_the_fsdp_plugin(package: str, monkeypatch: p
     assert fabric.strategy.precision is plugin
     assert fabric.strategy.mixed_precision_config.param_dtype == torch.float32
     with pytest.raises(TypeError, match="FSDPPrecision"):
-        fabric_module.Fabric(accelerator="gpu", devices=2, strategy=import_module(f"{package}.strategies").FSDPStrategy(),
-                             plugins=[GradientScalingPlugin()])
+        fabric_module.Fabric(
+            accelerator="gpu",
+            devices=2,
+            strategy=import_module(f"{package}.strategies").FSDPStrategy(),
+            plugins=[GradientScalingPlugin()],
+        )
 
 
 def test_a_deepspeed_engine_is_refused_in_backward() -> None:

@@ -72,7 +72,9 @@ def train(
     scaler = make_scaler(kind, model)
     if install == "before":
         install_gradient_scaler(accelerator, scaler)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, DataLoader(DATA, batch_size=4), scheduler)
+    model, optimizer, loader, scheduler = accelerator.prepare(
+        model, optimizer, DataLoader(DATA, batch_size=4), scheduler
+    )
     if install == "after":
         install_gradient_scaler(accelerator, scaler)
     first = 0
@@ -179,7 +181,9 @@ def test_accumulate_skips_the_step_whose_micro_batch_overflowed() -> None:
     runs = {kind: train(kind, batches=8, accumulation=2, inf_batches=(3,)) for kind in ("gs", "ref")}
     assert runs["gs"].skipped == runs["ref"].skipped == [False, True, False, False]
     assert runs["gs"].scaler.iteration == 8  # one scaled backward per micro-batch
-    torch.testing.assert_close(torch.tensor(runs["gs"].norms), torch.tensor(runs["ref"].norms), rtol=1e-3, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        torch.tensor(runs["gs"].norms), torch.tensor(runs["ref"].norms), rtol=1e-3, atol=0, equal_nan=True
+    )
 
 
 def test_save_state_load_state_resumes_bit_identically(tmp_path: Path) -> None:

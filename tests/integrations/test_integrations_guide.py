@@ -36,18 +36,26 @@ SECTIONS = sections()
 def test_every_integration_has_runnable_code() -> None:
     assert {"Hugging Face Accelerate", "Transformers Trainer", "timm", "fp16 on a CPU"} <= SECTIONS.keys()
     code = "\n".join(SECTIONS.values())
-    for line in ("install_gradient_scaler(accelerator, GradientScaler(model))", "GradientScalingTrainer(model=model",
-                 "loss_scaler = TimmGradientScaler(GradientScaler(model))"):
+    for line in (
+        "install_gradient_scaler(accelerator, GradientScaler(model))",
+        "GradientScalingTrainer(model=model",
+        "loss_scaler = TimmGradientScaler(GradientScaler(model))",
+    ):
         assert line in code, line
 
 
-@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")  # the Trainer's default, on a CPU
+@pytest.mark.filterwarnings(
+    "ignore:'pin_memory' argument is set as true:UserWarning"
+)  # the Trainer's default, on a CPU
 @pytest.mark.parametrize("title", SECTIONS)
 def test_section_code_runs_and_scales(title: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
     exec(compile(SECTIONS[title], f"{GUIDE}:{title}", "exec"), namespace)  # noqa: S102 (running the guide's code is the test)
-    scalers = [s for value in namespace.values()
-               for s in (value, getattr(value, "scaler", None), getattr(value, "gradient_scaler", None))
-               if isinstance(s, GradientScaler)]
+    scalers = [
+        s
+        for value in namespace.values()
+        for s in (value, getattr(value, "scaler", None), getattr(value, "gradient_scaler", None))
+        if isinstance(s, GradientScaler)
+    ]
     assert scalers and all(s.iteration >= 2 for s in scalers)

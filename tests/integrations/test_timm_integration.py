@@ -64,8 +64,11 @@ def train(
     run = Run()
     model = tiny_vit()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    loss_scaler = {"gs": lambda: TimmGradientScaler(GradientScaler(model)), "ref": NativeScalerFromScale,
-                   "native": lambda: NativeScaler("cpu")}[kind]()
+    loss_scaler = {
+        "gs": lambda: TimmGradientScaler(GradientScaler(model)),
+        "ref": NativeScalerFromScale,
+        "native": lambda: NativeScaler("cpu"),
+    }[kind]()
     injector = InfInjector(model.blocks[0].mlp.fc1, "parameter", inf_batches)
     batch = 0
 
@@ -78,15 +81,28 @@ def train(
     if resume_from is not None:
         resume_checkpoint(model, str(resume_from), optimizer, loss_scaler)  # weights_only=True, timm's default
         first = int(resume_from.name.split("-")[2].split(".")[0])
-    saver = CheckpointSaver(model, optimizer, amp_scaler=loss_scaler, recovery_dir=str(checkpoint_dir)) if save_after else None
+    saver = (
+        CheckpointSaver(model, optimizer, amp_scaler=loss_scaler, recovery_dir=str(checkpoint_dir))
+        if save_after
+        else None
+    )
     for batch in range(first, batches):
         injector.step = batch
         need_update = (batch + 1) % accumulation == 0
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(IMAGES[4 * batch : 4 * batch + 4]), LABELS[4 * batch : 4 * batch + 4]) / accumulation
-        loss_scaler(loss, optimizer, clip_grad=clip_grad, clip_mode=clip_mode,
-                    parameters=model_parameters(model, exclude_head="agc" in clip_mode),
-                    create_graph=create_graph, need_update=need_update)
+            loss = (
+                F.cross_entropy(model(IMAGES[4 * batch : 4 * batch + 4]), LABELS[4 * batch : 4 * batch + 4])
+                / accumulation
+            )
+        loss_scaler(
+            loss,
+            optimizer,
+            clip_grad=clip_grad,
+            clip_mode=clip_mode,
+            parameters=model_parameters(model, exclude_head="agc" in clip_mode),
+            create_graph=create_graph,
+            need_update=need_update,
+        )
         if need_update:
             optimizer.zero_grad()
         if saver is not None and batch + 1 == save_after:
@@ -102,7 +118,10 @@ def norms(run: Run) -> torch.Tensor:
 
 @pytest.mark.parametrize(("clip_mode", "clip_grad"), [("norm", 0.5), ("value", 0.01), ("agc", 0.01), ("norm", None)])
 def test_clipped_gradients_equal_native_scalers_and_no_step_skipped(clip_mode: str, clip_grad: float | None) -> None:
-    gs, ref = train("gs", clip_mode=clip_mode, clip_grad=clip_grad), train("ref", clip_mode=clip_mode, clip_grad=clip_grad)
+    gs, ref = (
+        train("gs", clip_mode=clip_mode, clip_grad=clip_grad),
+        train("ref", clip_mode=clip_mode, clip_grad=clip_grad),
+    )
     assert gs.stepped == ref.stepped == [0, 1, 2, 3]
     torch.testing.assert_close(gs.grads[0], ref.grads[0], rtol=1e-3, atol=1e-6)  # same weights, same batch
     # later, AdamW's first steps move each weight by about the LR whatever its gradient's size, so the
@@ -132,7 +151,9 @@ def test_need_update_accumulates_and_skips_the_overflowing_update() -> None:
         torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")  # PyTorch's, on any such backward
+@pytest.mark.filterwarnings(
+    "ignore:Using backward\\(\\) with create_graph=True:UserWarning"
+)  # PyTorch's, on any such backward
 def test_create_graph_backward_steps_with_true_gradients() -> None:
     gs, ref = train("gs", batches=2, create_graph=True), train("ref", batches=2, create_graph=True)
     assert gs.stepped == ref.stepped == [0, 1]

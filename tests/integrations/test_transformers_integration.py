@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-import wandb
 import transformers.trainer
+import wandb
 from integration_helpers import InfInjector, OutputDtypes, fresh_accelerate_state
 from torch.utils.data import Dataset
 from transformers import BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments
@@ -42,13 +42,24 @@ class TokenDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[i], "attention_mask": torch.ones(SEQUENCE, dtype=torch.long), "labels": self.labels[i]}
+        return {
+            "input_ids": self.input_ids[i],
+            "attention_mask": torch.ones(SEQUENCE, dtype=torch.long),
+            "labels": self.labels[i],
+        }
 
 
 def tiny_bert() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=SEQUENCE, num_labels=2)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=SEQUENCE,
+        num_labels=2,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -72,15 +83,33 @@ class StepRecorder(TrainerCallback):
         self.skipped.append(self.trainer.accelerator.optimizer_step_was_skipped)
 
 
-def make_trainer(output_dir: Path, make_scaler: Any = GradientScaler, inf_steps: tuple[int, ...] = (), **arguments: Any) -> tuple[GradientScalingTrainer, StepRecorder]:
+def make_trainer(
+    output_dir: Path, make_scaler: Any = GradientScaler, inf_steps: tuple[int, ...] = (), **arguments: Any
+) -> tuple[GradientScalingTrainer, StepRecorder]:
     model = tiny_bert()
     injector = InfInjector(model.bert.encoder.layer[1].output.dense, "parameter", inf_steps) if inf_steps else None
     recorder = StepRecorder(injector)
-    settings = dict(output_dir=str(output_dir), use_cpu=True, fp16=True, per_device_train_batch_size=8, max_steps=6,
-                    learning_rate=1e-3, max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to="none",
-                    disable_tqdm=True, seed=0)
-    trainer = GradientScalingTrainer(model=model, args=TrainingArguments(**{**settings, **arguments}), train_dataset=TokenDataset(),
-                                     callbacks=[recorder], make_gradient_scaler=make_scaler)
+    settings = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        fp16=True,
+        per_device_train_batch_size=8,
+        max_steps=6,
+        learning_rate=1e-3,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GradientScalingTrainer(
+        model=model,
+        args=TrainingArguments(**{**settings, **arguments}),
+        train_dataset=TokenDataset(),
+        callbacks=[recorder],
+        make_gradient_scaler=make_scaler,
+    )
     recorder.trainer = trainer
     return trainer, recorder
 
@@ -109,8 +138,14 @@ def test_trains_in_fp16_on_cpu_with_the_clip_norms_of_gradscaler(tmp_path: Path)
 def test_injected_inf_skips_the_step_gradscaler_skips_and_holds_the_lr(tmp_path: Path, accumulation: int) -> None:
     runs = {}
     for kind, make_scaler in (("gs", GradientScaler), ("ref", reference_scaler)):
-        trainer, recorder = make_trainer(tmp_path / kind, make_scaler, inf_steps=(2,), max_steps=4,
-                                         gradient_accumulation_steps=accumulation, optim="adamw_torch")
+        trainer, recorder = make_trainer(
+            tmp_path / kind,
+            make_scaler,
+            inf_steps=(2,),
+            max_steps=4,
+            gradient_accumulation_steps=accumulation,
+            optim="adamw_torch",
+        )
         trainer.train()
         runs[kind] = trainer, recorder
     (trainer, recorder), (reference, reference_recorder) = runs["gs"], runs["ref"]
@@ -139,7 +174,9 @@ def test_with_fused_adamw_the_skip_holds_the_lr_where_gradscaler_steps_it(tmp_pa
     (trainer, recorder, weights), (reference, reference_recorder, reference_weights) = runs["gs"], runs["ref"]
     assert trainer.optimizer.optimizer.defaults["fused"]
     assert recorder.skipped == [False, False, True, False] and reference_recorder.skipped == [False] * 4
-    assert torch.equal(weights[2], weights[3]) and torch.equal(reference_weights[2], reference_weights[3])  # neither moved
+    assert torch.equal(weights[2], weights[3]) and torch.equal(
+        reference_weights[2], reference_weights[3]
+    )  # neither moved
     rates, reference_rates = logged(trainer, "learning_rate"), logged(reference, "learning_rate")
     assert rates[3] == rates[2] and reference_rates[3] < reference_rates[2]
 
@@ -200,9 +237,21 @@ def test_hyperparameter_search_gives_each_trial_its_own_scaler(tmp_path: Path, m
         made.append((model, GradientScaler(model)))
         return made[-1][1]
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fp16=True, per_device_train_batch_size=8, max_steps=2,
-                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
-    trainer = GradientScalingTrainer(args=args, model_init=tiny_bert, train_dataset=TokenDataset(), make_gradient_scaler=make_scaler)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        fp16=True,
+        per_device_train_batch_size=8,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GradientScalingTrainer(
+        args=args, model_init=tiny_bert, train_dataset=TokenDataset(), make_gradient_scaler=make_scaler
+    )
     trainer.hyperparameter_search(backend="wandb", n_trials=2)
     (model_1, scaler_1, rate_1), (model_2, scaler_2, rate_2) = _TwoTrials.seen
     assert (rate_1, rate_2) == (1e-3, 3e-4)
@@ -238,18 +287,41 @@ def test_with_gradient_accumulation_no_step_is_skipped_where_gradscaler_skips_no
     class Sequences(TokenDataset):
         def __init__(self) -> None:
             g = torch.Generator().manual_seed(0)
-            self.input_ids, self.labels = torch.randint(1, 100, (64, SEQUENCE), generator=g), torch.randint(0, 2, (64,), generator=g)
+            self.input_ids, self.labels = (
+                torch.randint(1, 100, (64, SEQUENCE), generator=g),
+                torch.randint(0, 2, (64,), generator=g),
+            )
 
     skipped = {}
     for name, make_scaler in (("gs", GradientScaler), ("reference", reference_scaler)):
         torch.manual_seed(0)
-        config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=128, max_position_embeddings=32, num_labels=2)
+        config = BertConfig(
+            vocab_size=100,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=32,
+            num_labels=2,
+        )
         model = BertForSequenceClassification(config)
         recorder = StepRecorder(None)
-        args = TrainingArguments(output_dir=str(tmp_path / name), use_cpu=True, fp16=True, per_device_train_batch_size=8, max_steps=20,
-                                 gradient_accumulation_steps=2, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True)
-        trainer = GradientScalingTrainer(model=model, args=args, train_dataset=Sequences(), callbacks=[recorder], make_gradient_scaler=make_scaler)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name),
+            use_cpu=True,
+            fp16=True,
+            per_device_train_batch_size=8,
+            max_steps=20,
+            gradient_accumulation_steps=2,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+            disable_tqdm=True,
+        )
+        trainer = GradientScalingTrainer(
+            model=model, args=args, train_dataset=Sequences(), callbacks=[recorder], make_gradient_scaler=make_scaler
+        )
         recorder.trainer = trainer
         trainer.train()
         skipped[name] = recorder.skipped

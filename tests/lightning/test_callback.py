@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import Classifier, loader, make_trainer
-from lightning_packages import on_package
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning_packages import on_package
 
 from gs_lightning import DynamicLossScalingPlugin, FP16Plugin, GradientScalingCallback, GradientScalingPlugin
 from gs_lightning.analysis import (
@@ -35,12 +35,19 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def fit(
-    plugin, callback: GradientScalingCallback, max_steps: int, root: Path, model: L.LightningModule | None = None, **kwargs
+    plugin,
+    callback: GradientScalingCallback,
+    max_steps: int,
+    root: Path,
+    model: L.LightningModule | None = None,
+    **kwargs,
 ) -> L.Trainer:
     """Fit ``model`` (a Classifier with a Linear → Linear pair by default) on the shared data; weights stay finite."""
     ckpt_path = kwargs.pop("ckpt_path", None)
     kwargs.setdefault("log_every_n_steps", 1)
-    trainer = make_trainer(plugin, max_steps, callbacks=[callback, *kwargs.pop("callbacks", [])], default_root_dir=root, **kwargs)
+    trainer = make_trainer(
+        plugin, max_steps, callbacks=[callback, *kwargs.pop("callbacks", [])], default_root_dir=root, **kwargs
+    )
     trainer.fit(model or Classifier(hidden_layers=1), loader(), ckpt_path=ckpt_path)
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
     return trainer
@@ -90,13 +97,22 @@ def test_between_updates_the_surprise_and_the_update_count_are_logged(tmp_path: 
     logged = [float(row["gs/surprise"]) for row in rows if row.get("gs/surprise")]
     assert logged and all(math.isfinite(v) for v in logged)
     updates = [float(row["gs/update_iterations"]) for row in rows if row.get("gs/update_iterations")]
-    assert updates == sorted(updates) and 3 <= updates[-1] == plugin.scaler.update_iterations <= 6  # every second backward, at least
+    assert (
+        updates == sorted(updates) and 3 <= updates[-1] == plugin.scaler.update_iterations <= 6
+    )  # every second backward, at least
 
 
 def test_history_continues_after_resume(tmp_path: Path) -> None:
     torch.manual_seed(0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
-    fit(GradientScalingPlugin(), GradientScalingCallback(log_every_n_steps=2), 4, tmp_path, callbacks=[checkpoint], enable_checkpointing=True)
+    fit(
+        GradientScalingPlugin(),
+        GradientScalingCallback(log_every_n_steps=2),
+        4,
+        tmp_path,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
     resumed = GradientScalingCallback(log_every_n_steps=2)
     fit(GradientScalingPlugin(), resumed, 8, tmp_path / "resumed", ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
     assert sorted(resumed.history) == [2, 4, 6, 8]
@@ -114,9 +130,13 @@ def test_plugins_that_scale_nothing_warn_once_and_log_nothing(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("plugin", "scales"), [(DynamicLossScalingPlugin, [16.0, 15.0, 15.0]), (FP16Plugin, [0.0, 0.0, 0.0])], ids=["dynamic", "fp16"]
+    ("plugin", "scales"),
+    [(DynamicLossScalingPlugin, [16.0, 15.0, 15.0]), (FP16Plugin, [0.0, 0.0, 0.0])],
+    ids=["dynamic", "fp16"],
 )
-def test_loss_scaling_plugins_log_the_loss_scale_and_the_skipped_steps(plugin, scales: list[float], tmp_path: Path) -> None:
+def test_loss_scaling_plugins_log_the_loss_scale_and_the_skipped_steps(
+    plugin, scales: list[float], tmp_path: Path
+) -> None:
     """GradScaler halves its scale on step 2's inf loss and the step is skipped (the weights stay); the
     CSV has gs/loss_scale (log2) and gs/skipped_steps at steps 2, 4 and the end; no plots."""
     torch.manual_seed(0)
@@ -133,7 +153,9 @@ def test_loss_scaling_plugins_log_the_loss_scale_and_the_skipped_steps(plugin, s
     assert callback.state_dict()["skipped_steps"] == 1
 
 
-def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Path, monkeypatch, lightning_package: str) -> None:
+def test_offline_wandb_run_holds_the_scale_history_and_both_images(
+    tmp_path: Path, monkeypatch, lightning_package: str
+) -> None:
     """In either package's Trainer with that package's WandbLogger."""
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -141,7 +163,9 @@ def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Pat
     monkeypatch.setenv("WANDB_SILENT", "true")
     torch.manual_seed(0)
     callback = GradientScalingCallback(log_every_n_steps=2)
-    logger = import_module(f"{lightning_package}.loggers").WandbLogger(offline=True, save_dir=str(tmp_path), project="gs")
+    logger = import_module(f"{lightning_package}.loggers").WandbLogger(
+        offline=True, save_dir=str(tmp_path), project="gs"
+    )
     model = on_package(Classifier, lightning_package)(hidden_layers=1)
     try:
         fit(GradientScalingPlugin(), callback, 4, tmp_path, model=model, logger=logger, package=lightning_package)
@@ -159,11 +183,16 @@ def test_offline_wandb_run_holds_the_scale_history_and_both_images(tmp_path: Pat
         content = json.loads(table.read_text())
         assert content["columns"] == ["step", "lineKey", "lineVal"]
         logged.update({(step, layer): value for step, layer, value in content["data"]})
-    assert logged == {(step, layer): value for step, scales in callback.history.items() for layer, value in scales.items()}
+    assert logged == {
+        (step, layer): value for step, scales in callback.history.items() for layer, value in scales.items()
+    }
     # The logged metrics are in the run's transaction log (protobuf): their keys are stored verbatim.
     # W&B's service process may still be writing it after wandb.finish() returns on a busy machine.
     (log,) = run.glob("run-*.wandb")
-    keys = ["gs/skipped_steps", *(f"gs/{kind}/{layer}" for kind in ("scale", "total", "underflow") for layer in callback.history[4])]
+    keys = [
+        "gs/skipped_steps",
+        *(f"gs/{kind}/{layer}" for kind in ("scale", "total", "underflow") for layer in callback.history[4]),
+    ]
     deadline = time.monotonic() + 30
     while not all(key.encode() in log.read_bytes() for key in keys) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -201,7 +230,11 @@ def test_unknown_logger_gets_the_scalars_and_one_note(tmp_path: Path, caplog: py
 
 
 def test_plots_and_table_from_a_history(tmp_path: Path) -> None:
-    history = {10: {"fc.cast": 3.0, "fc": 1.0, "layer1.0": 2.0}, 20: {"fc.cast": 4.0, "fc": 1.0}, 30: {"fc.cast": 4.0, "fc": -2.0, "layer1.0": 3.0}}
+    history = {
+        10: {"fc.cast": 3.0, "fc": 1.0, "layer1.0": 2.0},
+        20: {"fc.cast": 4.0, "fc": 1.0},
+        30: {"fc.cast": 4.0, "fc": -2.0, "layer1.0": 3.0},
+    }
     steps, layers, matrix = history_matrix(history)
     assert steps == [10, 20, 30] and layers == ["fc.cast", "fc", "layer1.0"]
     assert math.isnan(matrix[2, 1]) and matrix[1, 2] == -2.0
@@ -210,7 +243,12 @@ def test_plots_and_table_from_a_history(tmp_path: Path) -> None:
     totals = {step: {layer: value + 5 for layer, value in scales.items()} for step, scales in history.items()}
     assert plot_scale_mean_std(history, tmp_path / "a/both.png", totals=totals).read_bytes().startswith(PNG)
     with open(save_scale_history(history, tmp_path / "h.csv")) as file:
-        assert list(csv.reader(file)) == [["step", *layers], ["10", "3", "1", "2"], ["20", "4", "1", ""], ["30", "4", "-2", "3"]]
+        assert list(csv.reader(file)) == [
+            ["step", *layers],
+            ["10", "3", "1", "2"],
+            ["20", "4", "1", ""],
+            ["30", "4", "-2", "3"],
+        ]
     assert np.nanmean(matrix, axis=1).tolist() == pytest.approx([11 / 3, 0.0, 2.5])
 
 
@@ -241,7 +279,9 @@ def test_log_every_n_steps_must_be_positive() -> None:
         GradientScalingCallback(log_every_n_steps=0)
 
 
-def test_heatmap_marks_the_update_steps_and_names_the_run_and_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_heatmap_marks_the_update_steps_and_names_the_run_and_precision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every step whose backward decided the scales is in ``update_steps`` (and reaches the heatmap),
     the first one at step 1; the title names the run and the precision plugin."""
     drawn = {}
@@ -252,10 +292,15 @@ def test_heatmap_marks_the_update_steps_and_names_the_run_and_precision(tmp_path
 
     monkeypatch.setattr("gs_lightning.lightning.callback.plot_scale_heatmap", heatmap)
     torch.manual_seed(0)
-    plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=2, run_name="demo/gs/run")
+    plugin, callback = (
+        GradientScalingPlugin(update_interval=2),
+        GradientScalingCallback(log_every_n_steps=2, run_name="demo/gs/run"),
+    )
     fit(plugin, callback, 6, tmp_path, model=Classifier(hidden_layers=1), logger=CSVLogger(tmp_path))
     assert callback.update_steps[0] == 1 and len(callback.update_steps) == plugin.scaler.update_iterations
-    assert callback.update_steps == sorted(set(callback.update_steps)) and drawn["update_steps"] == callback.update_steps
+    assert (
+        callback.update_steps == sorted(set(callback.update_steps)) and drawn["update_steps"] == callback.update_steps
+    )
     assert drawn["title"] == "demo/gs/run\nGradientScalingPlugin (float16 gradients): log2 gradient scale per layer"
     assert callback.state_dict()["update_steps"] == callback.update_steps
 

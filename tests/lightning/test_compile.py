@@ -38,7 +38,9 @@ def test_a_compiled_model_trains_with_the_plugin_and_gets_per_layer_scales(compi
         make_trainer(plugin, max_steps=3).fit(compile_(model), loader())
         make_trainer(reference_plugin, max_steps=3).fit(reference, loader())
     # The layers of the compiled net, named and scaled as in the eager model; no opaque unit.
-    assert [layer.name for layer in plugin.scaler.layers()] == [layer.name for layer in reference_plugin.scaler.layers()]
+    assert [layer.name for layer in plugin.scaler.layers()] == [
+        layer.name for layer in reference_plugin.scaler.layers()
+    ]
     (compiled,) = plugin.scaler.compiled_modules
     assert compiled.eager_reason is None and compiled._vectors
     assert plugin.scaler.skipped_steps == 0

@@ -102,13 +102,17 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "package, strategy",
     [("lightning.pytorch", "ddp_spawn"), ("lightning.pytorch", "ddp"), ("pytorch_lightning", "ddp")],
 )
-def test_ranks_agree_with_each_other_and_a_single_process(package: str, strategy: str, single_process: Path, tmp_path: Path) -> None:
+def test_ranks_agree_with_each_other_and_a_single_process(
+    package: str, strategy: str, single_process: Path, tmp_path: Path
+) -> None:
     if strategy == "ddp_spawn":
         train(package, strategy, 2, tmp_path)
     else:  # Lightning's "ddp" launches rank 1 by rerunning the command line: that must be this script, not pytest
         tests = str(Path(__file__).resolve().parents[1])  # conftest and lightning_packages, for both ranks
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-        subprocess.run([sys.executable, __file__, package, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path, env=env)
+        subprocess.run(
+            [sys.executable, __file__, package, strategy, str(tmp_path)], check=True, timeout=120, cwd=tmp_path, env=env
+        )
     check_against_single_process(tmp_path, single_process)
 
 

@@ -30,13 +30,16 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 PLUGIN_NAMES = ["GradientScalingPlugin", "DynamicLossScalingPlugin", "LossScalingPlugin", "FP16Plugin"]
 TRAINER_PLUGINS = {
-    plugin.__name__: plugin for plugin in (GradientScalingPlugin, DynamicLossScalingPlugin, LossScalingPlugin, FP16Plugin)
+    plugin.__name__: plugin
+    for plugin in (GradientScalingPlugin, DynamicLossScalingPlugin, LossScalingPlugin, FP16Plugin)
 }
 INF_STEP = 1
 
 
 def plugin_options(name: str) -> dict:
-    return {"GradientScalingPlugin": {"update_interval": 2}, "DynamicLossScalingPlugin": {"init_scale": 2.0**10}}.get(name, {})
+    return {"GradientScalingPlugin": {"update_interval": 2}, "DynamicLossScalingPlugin": {"init_scale": 2.0**10}}.get(
+        name, {}
+    )
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,7 +132,9 @@ def test_fabric_plugins_with_gradient_clipping(plugin: str, optimizer: str) -> N
     """fabric.clip_gradients works with fused optimizers too (Fabric's own MixedPrecision refuses, below)."""
     net = mlp()
     expected = expected_weights(net, optimizer)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[getattr(gs_lightning.fabric, plugin)(**plugin_options(plugin))])
+    fabric = L.Fabric(
+        accelerator="cpu", devices=1, plugins=[getattr(gs_lightning.fabric, plugin)(**plugin_options(plugin))]
+    )
     model, opt = fabric.setup(net, OPTIMIZERS[optimizer](net.parameters()))
     for step, (x, y) in enumerate(batches()):
         fabric.backward(inf_if_skipped(F.cross_entropy(model(x), y), step))
@@ -146,5 +151,7 @@ def test_fabric_mixed_precision_cannot_clip_with_a_fused_optimizer() -> None:
     model, opt = fabric.setup(net, OPTIMIZERS["adam_fused"](net.parameters()))
     x, y = next(iter(loader()))
     fabric.backward(F.cross_entropy(model(x), y))
-    with pytest.raises(NotImplementedError, match="Gradient clipping is not implemented for optimizers handling the unscaling"):
+    with pytest.raises(
+        NotImplementedError, match="Gradient clipping is not implemented for optimizers handling the unscaling"
+    ):
         fabric.clip_gradients(model, opt, max_norm=1e6, error_if_nonfinite=False)  # the step is skipped instead

@@ -70,7 +70,9 @@ class ShardProbe(L.Callback):
             for name, p in model.named_parameters()
         }
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.record["losses"].append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -80,7 +82,12 @@ class ShardProbe(L.Callback):
 
 def _initial_demo_task(tmp_path: Path) -> L.LightningModule:
     """The demo's task as ``train.py`` builds it, before training (same seed, same order of construction)."""
-    overrides = ["recipe=demo", f"paths.cache_dir={tmp_path / 'cache'}", f"paths.output_dir={tmp_path / 'unsharded'}", "trainer.accelerator=cpu"]
+    overrides = [
+        "recipe=demo",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        f"paths.output_dir={tmp_path / 'unsharded'}",
+        "trainer.accelerator=cpu",
+    ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return build(compose(config_name="config", overrides=[*overrides, *DEMO])).task
 
@@ -103,8 +110,15 @@ def test_train_py_shards_the_demo_over_two_cpu_ranks_and_trains(tmp_path: Path) 
     ]
     # Lightning launches rank 1 by running the same command again, with the run directory Hydra chose.
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "GS_CACHE_DIR": str(tmp_path / "cache"), "GS_DATA_DIR": str(tmp_path / "data")}
-    result = subprocess.run([sys.executable, "train.py", *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "GS_CACHE_DIR": str(tmp_path / "cache"),
+        "GS_DATA_DIR": str(tmp_path / "data"),
+    }
+    result = subprocess.run(
+        [sys.executable, "train.py", *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     ranks = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -133,14 +147,19 @@ def test_train_py_shards_the_demo_over_two_cpu_ranks_and_trains(tmp_path: Path) 
     assert checkpoint["global_step"] == STEPS
     task.load_state_dict(checkpoint["state_dict"])
     for name, _ in task.named_parameters():
-        assert torch.isfinite(checkpoint["state_dict"][name]).all() and not torch.equal(checkpoint["state_dict"][name], initial[name]), name
+        assert torch.isfinite(checkpoint["state_dict"][name]).all() and not torch.equal(
+            checkpoint["state_dict"][name], initial[name]
+        ), name
 
 
 @pytest.mark.parametrize(
     ("model", "units"),
     [
         (lambda: build_resnet("resnet18", num_classes=4), ["layer1", "layer2", "layer3", "layer4"]),
-        (lambda: SegNetBasic(num_classes=11, width=4), [f"encoders.{i}" for i in range(4)] + [f"decoders.{i}" for i in range(4)]),
+        (
+            lambda: SegNetBasic(num_classes=11, width=4),
+            [f"encoders.{i}" for i in range(4)] + [f"decoders.{i}" for i in range(4)],
+        ),
         (lambda: build_ssd(size=300, num_classes=21, pretrained=False, width_mult=0.03125), ["backbone", "head"]),
     ],
     ids=["resnet18", "segnet", "ssd300"],
@@ -159,25 +178,40 @@ def _attach(task: L.LightningModule, strategy: Any, mesh: Any = None) -> None:
 
 def test_configure_model_does_nothing_under_other_strategies() -> None:
     task = SegmentationTask(SegNetBasic(num_classes=11, width=4))
-    before = {name: (type(module), module.weight) for name, module in task.model.named_modules() if hasattr(module, "weight")}
+    before = {
+        name: (type(module), module.weight) for name, module in task.model.named_modules() if hasattr(module, "weight")
+    }
     _attach(task, SingleDeviceStrategy(device=torch.device("cpu")))
     task.configure_model()
-    assert {name: (type(module), module.weight) for name, module in task.model.named_modules() if hasattr(module, "weight")} == before
+    assert {
+        name: (type(module), module.weight) for name, module in task.model.named_modules() if hasattr(module, "weight")
+    } == before
 
 
 def test_a_tensor_parallel_mesh_is_refused_with_the_settings_to_change() -> None:
     task = ClassificationTask(build_resnet("resnet18", num_classes=4), num_classes=4)
     mesh = {"data_parallel": SimpleNamespace(size=lambda: 1), "tensor_parallel": SimpleNamespace(size=lambda: 2)}
     _attach(task, ModelParallelStrategy(), mesh)
-    with pytest.raises(ValueError, match="data_parallel=1 x tensor_parallel=2; set trainer.strategy.data_parallel_size"):
+    with pytest.raises(
+        ValueError, match="data_parallel=1 x tensor_parallel=2; set trainer.strategy.data_parallel_size"
+    ):
         task.configure_model()
 
 
 def test_the_app_refuses_a_tensor_parallel_mesh_in_one_line_before_starting_ranks(tmp_path: Path) -> None:
-    overrides = ["recipe=demo", f"paths.cache_dir={tmp_path / 'cache'}", f"paths.output_dir={tmp_path / 'run'}", "trainer=model_parallel",
-                 "trainer.accelerator=cpu", "trainer.strategy.tensor_parallel_size=2"]
+    overrides = [
+        "recipe=demo",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        f"paths.output_dir={tmp_path / 'run'}",
+        "trainer=model_parallel",
+        "trainer.accelerator=cpu",
+        "trainer.strategy.tensor_parallel_size=2",
+    ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, *DEMO])
-    with pytest.raises(SystemExit, match=r"^error: trainer.strategy.tensor_parallel_size=2: .*expected 1, with trainer.strategy.data_parallel_size"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: trainer.strategy.tensor_parallel_size=2: .*expected 1, with trainer.strategy.data_parallel_size",
+    ):
         run(cfg)
     assert not (tmp_path / "cache").exists()  # refused before the data was generated

@@ -49,7 +49,9 @@ class WeightWatch(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self.before[batch_idx] = [p.detach().clone() for p in pl_module.parameters()]
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         params = [p.detach().clone() for p in pl_module.parameters()]
         assert all(torch.isfinite(p).all() for p in params), f"non-finite weights after batch {batch_idx}"
         self.after[batch_idx] = params
@@ -98,9 +100,13 @@ def test_skipped_step_leaves_weights_and_schedulers_alone(name: str, lightning_p
         fit.fit(model, loader())
     assert not [w for w in caught if LR_WARNING in str(w.message)]
     for step in (0, 3):
-        assert all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step])), f"step {step} changed weights"
+        assert all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step])), (
+            f"step {step} changed weights"
+        )
     for step in (1, 2, 4, 5):
-        assert not all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step])), f"step {step} did not step"
+        assert not all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step])), (
+            f"step {step} did not step"
+        )
     scheduler = fit.lr_scheduler_configs[0].scheduler
     assert isinstance(scheduler, SkipAwareScheduler)
     assert scheduler.last_epoch == 4  # 6 batches, 2 skipped
@@ -156,7 +162,9 @@ def test_emulated_fp8_gradients_reach_the_weights(name: str, lightning_package: 
     torch.manual_seed(0)
     make = {"gradient_scaling": GradientScalingPlugin, "loss_scaling": LossScalingPlugin}[name]
     plugin, capture = make(emulate=True, grad_dtype="float8_e5m2"), WeightGrads()
-    trainer(lightning_package, plugin, max_steps=1, callbacks=[capture]).fit(classifier(lightning_package, hidden_layers=1), loader())
+    trainer(lightning_package, plugin, max_steps=1, callbacks=[capture]).fit(
+        classifier(lightning_package, hidden_layers=1), loader()
+    )
     significands = [torch.frexp(g[g != 0])[0] * 8 for g in capture.grads]  # in [4, 8): integers iff 3 bits
     assert len(significands) == 3 and all(torch.equal(m, m.round()) for m in significands)
     assert name != "gradient_scaling" or plugin.scaler.format.name == "float8_e5m2"
@@ -191,14 +199,20 @@ def test_resume_matches_uninterrupted_run(name: str, lightning_package: str, tmp
     half = DataLoader(TensorDataset(*DATA[:16]), batch_size=4)  # 4 batches: the checkpoint ends epoch 0
     L.seed_everything(0)
     straight, plugin = classifier(lightning_package, inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
-    checkpoint = import_module(lightning_package).callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
-    trainer(lightning_package, plugin, max_steps=8, callbacks=[checkpoint], enable_checkpointing=True).fit(straight, half)
+    checkpoint = import_module(lightning_package).callbacks.ModelCheckpoint(
+        dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4
+    )
+    trainer(lightning_package, plugin, max_steps=8, callbacks=[checkpoint], enable_checkpointing=True).fit(
+        straight, half
+    )
     saved = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)
     assert saved[type(plugin).__name__].keys() == plugin.state_dict().keys()  # the scaler's state is saved
 
     L.seed_everything(1)  # a different initialisation: everything must come from the checkpoint
     resumed_model, resumed_plugin = classifier(lightning_package, inf_steps=(5,), optimizer="adam"), PLUGINS[name]()
-    resumed = trainer(lightning_package, resumed_plugin, max_steps=8, enable_checkpointing=True, default_root_dir=tmp_path / "resumed")
+    resumed = trainer(
+        lightning_package, resumed_plugin, max_steps=8, enable_checkpointing=True, default_root_dir=tmp_path / "resumed"
+    )
     resumed.fit(resumed_model, half, ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
 
     for (key, a), b in zip(straight.state_dict().items(), resumed_model.state_dict().values()):
@@ -245,7 +259,9 @@ def test_manual_optimization_with_two_optimizers(lightning_package: str) -> None
     torch.manual_seed(0)
     model, watch = on_package(TwoOptimizers, lightning_package)(), WeightWatch()
     plugin = GradientScalingPlugin(update_interval=2)
-    fit = trainer(lightning_package, plugin, max_steps=8, callbacks=[watch])  # global_step counts both optimizers' steps
+    fit = trainer(
+        lightning_package, plugin, max_steps=8, callbacks=[watch]
+    )  # global_step counts both optimizers' steps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(model, loader())
@@ -267,9 +283,7 @@ class GradientProbe(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         params = list(pl_module.parameters())
-        trainer.optimizers[0].register_step_pre_hook(
-            lambda *_: self.stepped.append([p.grad.clone() for p in params])
-        )
+        trainer.optimizers[0].register_step_pre_hook(lambda *_: self.stepped.append([p.grad.clone() for p in params]))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         self.seen.append([p.grad.clone() for p in pl_module.parameters()])
@@ -308,7 +322,14 @@ def test_clipping_sees_true_gradients(name: str, algorithm: str, lightning_packa
     measure = _norm if algorithm == "norm" else _largest
     clip = measure(grads) / 2
     probe = GradientProbe()
-    fit = trainer(lightning_package, PLUGINS[name](), max_steps=1, callbacks=[probe], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    fit = trainer(
+        lightning_package,
+        PLUGINS[name](),
+        max_steps=1,
+        callbacks=[probe],
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=algorithm,
+    )
     fit.fit(model, loader())
     assert measure(probe.seen[0]) == pytest.approx(2 * clip, rel=1e-3)
     assert measure(probe.stepped[0]) == pytest.approx(clip, rel=1e-3)

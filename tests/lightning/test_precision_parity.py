@@ -147,7 +147,10 @@ def test_skip_training_step_with_grad_scaler(lightning_package: str) -> None:
     """A training_step that returns None runs no backward: the scaler's unscale_, step and update are
     skipped for it too (5 batches, 3 with a loss), gradient clipping on."""
     L.seed_everything(0)
-    calls = {name: mock.patch.object(GradientScaler, name, autospec=True, side_effect=getattr(GradientScaler, name)) for name in ("unscale_", "step", "update")}
+    calls = {
+        name: mock.patch.object(GradientScaler, name, autospec=True, side_effect=getattr(GradientScaler, name))
+        for name in ("unscale_", "step", "update")
+    }
     with calls["unscale_"] as unscale_, calls["step"] as step, calls["update"] as update:
         trainer = make_trainer(GradientScalingPlugin(), max_steps=5, gradient_clip_val=0.5, package=lightning_package)
         trainer.fit(on_package(SkipOddBatches, lightning_package)(), loader())
@@ -271,9 +274,18 @@ def test_multiple_optimizers_manual_call_counts(lightning_package: str) -> None:
     """Three backwards and two scaler steps per batch, two global steps."""
     L.seed_everything(0)
     limit_train_batches = 2
-    trainer = make_trainer(GradientScalingPlugin(), max_steps=-1, max_epochs=1, limit_train_batches=limit_train_batches, package=lightning_package)
+    trainer = make_trainer(
+        GradientScalingPlugin(),
+        max_steps=-1,
+        max_epochs=1,
+        limit_train_batches=limit_train_batches,
+        package=lightning_package,
+    )
     # count the scaler's steps rather than the optimizer's, which a non-finite gradient would skip
-    with count_backwards(trainer) as bwd_mock, mock.patch.object(GradientScaler, "step", autospec=True, side_effect=GradientScaler.step) as scaler_step:
+    with (
+        count_backwards(trainer) as bwd_mock,
+        mock.patch.object(GradientScaler, "step", autospec=True, side_effect=GradientScaler.step) as scaler_step,
+    ):
         trainer.fit(on_package(ManualOptModel, lightning_package)(), loader())
     assert bwd_mock.call_count == limit_train_batches * 3
     assert trainer.global_step == limit_train_batches * 2
@@ -308,7 +320,13 @@ class StepGradientsModel(ManualOptModel):
 def test_multiple_optimizers_step(lightning_package: str) -> None:
     L.seed_everything(0)
     limit_train_batches = 2
-    trainer = make_trainer(GradientScalingPlugin(update_interval=2), max_steps=-1, max_epochs=1, limit_train_batches=limit_train_batches, package=lightning_package)
+    trainer = make_trainer(
+        GradientScalingPlugin(update_interval=2),
+        max_steps=-1,
+        max_epochs=1,
+        limit_train_batches=limit_train_batches,
+        package=lightning_package,
+    )
     with count_backwards(trainer) as bwd_mock:
         trainer.fit(on_package(StepGradientsModel, lightning_package)(), loader())
     assert bwd_mock.call_count == limit_train_batches * 3
@@ -361,7 +379,9 @@ def test_manual_optimization_and_return_tensor(lightning_package: str) -> None:
     """Returning the loss from training_step in manual optimization adds no gradient (upstream: DDP spawn
     on two GPUs)."""
     L.seed_everything(0)
-    trainer = make_trainer(GradientScalingPlugin(), max_steps=-1, max_epochs=1, limit_train_batches=10, package=lightning_package)
+    trainer = make_trainer(
+        GradientScalingPlugin(), max_steps=-1, max_epochs=1, limit_train_batches=10, package=lightning_package
+    )
     trainer.fit(on_package(ManualOptimizationExtendedModel, lightning_package)(), loader(batch_size=2))
 
 
@@ -449,7 +469,14 @@ def test_multiple_optimizers_logging(lightning_package: str, tmp_path) -> None:
     model = on_package(ToggledOptimizers, lightning_package)()
     first_layer = model.net[0].weight.detach().clone()
     trainer = make_trainer(
-        plugin, max_steps=-1, max_epochs=1, limit_train_batches=2, log_every_n_steps=1, logger=True, default_root_dir=tmp_path, package=lightning_package
+        plugin,
+        max_steps=-1,
+        max_epochs=1,
+        limit_train_batches=2,
+        log_every_n_steps=1,
+        logger=True,
+        default_root_dir=tmp_path,
+        package=lightning_package,
     )
     trainer.fit(model, loader())
     assert set(trainer.logged_metrics) == {"loss_d", "loss_g"}
@@ -479,7 +506,9 @@ class _NanAfterManualBackward(Classifier):
         self.stepped.append(not torch.equal(before, self.net[0].weight))
 
 
-def test_manual_optimization_never_steps_on_a_gradient_made_non_finite_after_manual_backward(lightning_package: str) -> None:
+def test_manual_optimization_never_steps_on_a_gradient_made_non_finite_after_manual_backward(
+    lightning_package: str,
+) -> None:
     """GradScaler's rule, through Lightning's manual optimization: the optimizer step judges the ``.grad``
     it is about to use, not only what the scaler's backward wrote (issue 15)."""
     torch.manual_seed(0)

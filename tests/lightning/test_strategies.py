@@ -39,19 +39,27 @@ PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 def two_mocked_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's accelerator connector sees two CUDA devices (nothing runs on them)."""
-    for module in ("lightning.fabric.accelerators.cuda", "lightning.pytorch.accelerators.cuda",
-                   "lightning_fabric.accelerators.cuda", "pytorch_lightning.accelerators.cuda"):
+    for module in (
+        "lightning.fabric.accelerators.cuda",
+        "lightning.pytorch.accelerators.cuda",
+        "lightning_fabric.accelerators.cuda",
+        "pytorch_lightning.accelerators.cuda",
+    ):
         monkeypatch.setattr(f"{module}.num_cuda_devices", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 @pytest.mark.parametrize("plugin_class", [FSDPGradientScalingPlugin, FSDPDynamicLossScalingPlugin])
-def test_fsdp_strategy_takes_the_fsdp_plugins(package: str, plugin_class: type, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsdp_strategy_takes_the_fsdp_plugins(
+    package: str, plugin_class: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
     two_mocked_gpus(monkeypatch)
     strategy = import_module(f"{package}.strategies").FSDPStrategy()
     plugin = plugin_class()
-    trainer = import_module(package).Trainer(accelerator="gpu", devices=2, strategy=strategy, plugins=[plugin], logger=False)
+    trainer = import_module(package).Trainer(
+        accelerator="gpu", devices=2, strategy=strategy, plugins=[plugin], logger=False
+    )
     assert trainer.strategy is strategy and trainer.precision_plugin is plugin
     policy = strategy.mixed_precision_config  # what FSDP is given
     assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == (torch.float32,) * 3
@@ -63,7 +71,9 @@ def test_fsdp_strategy_refuses_the_plain_plugin(package: str, monkeypatch: pytes
     two_mocked_gpus(monkeypatch)
     strategy = import_module(f"{package}.strategies").FSDPStrategy()
     with pytest.raises(TypeError, match="FSDPPrecision"):
-        import_module(package).Trainer(accelerator="gpu", devices=2, strategy=strategy, plugins=[GradientScalingPlugin()])
+        import_module(package).Trainer(
+            accelerator="gpu", devices=2, strategy=strategy, plugins=[GradientScalingPlugin()]
+        )
 
 
 def test_fsdp_plugin_keeps_fsdp_precision_semantics() -> None:
@@ -129,8 +139,14 @@ class ShardedClassifier(Classifier):
 
     def on_train_end(self) -> None:
         scaler = self.trainer.precision_plugin.scaler
-        params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.parameters()]  # DTensor shards, gathered
-        result = {"params": [p.detach().clone() for p in params], "skipped_steps": scaler.skipped_steps, "iteration": scaler.iteration}
+        params = [
+            p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.parameters()
+        ]  # DTensor shards, gathered
+        result = {
+            "params": [p.detach().clone() for p in params],
+            "skipped_steps": scaler.skipped_steps,
+            "iteration": scaler.iteration,
+        }
         torch.save(result, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
@@ -140,7 +156,9 @@ def train(out_dir: Path, devices: int) -> None:
     model = ShardedClassifier(str(out_dir))
     # All data-parallel: the default sizes make a (1 x devices) mesh whose data-parallel dimension shards nothing.
     strategies = import_module("lightning.pytorch.strategies")
-    strategy = strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
+    strategy = (
+        strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
+    )
     trainer = import_module("lightning.pytorch").Trainer(
         accelerator="cpu",
         devices=devices,
@@ -169,7 +187,9 @@ def test_model_parallel_strategy_trains_two_ranks_on_the_cpu(tmp_path: Path) -> 
     tests = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, __file__, str(sharded)], check=True, timeout=180, cwd=tmp_path, env=env)
-    rank0, rank1, reference = (torch.load(path) for path in (sharded / "rank0.pt", sharded / "rank1.pt", single / "rank0.pt"))
+    rank0, rank1, reference = (
+        torch.load(path) for path in (sharded / "rank0.pt", sharded / "rank1.pt", single / "rank0.pt")
+    )
     for result in (rank0, rank1):
         assert result["iteration"] == STEPS  # every step ran a scaled backward
         assert len(result["params"]) == len(reference["params"])

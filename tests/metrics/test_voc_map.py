@@ -157,9 +157,7 @@ def _devkit_ap(preds: list[dict], targets: list[dict], num_classes: int) -> np.n
         rec = tp / npos
         with np.errstate(invalid="ignore"):
             prec = np.nan_to_num(tp / (fp + tp))
-        ap[c - 1] = sum(
-            (prec[rec >= t].max() if (rec >= t).any() else 0.0) / 11 for t in np.arange(0.0, 1.1, 0.1)
-        )
+        ap[c - 1] = sum((prec[rec >= t].max() if (rec >= t).any() else 0.0) / 11 for t in np.arange(0.0, 1.1, 0.1))
     return ap
 
 

@@ -29,7 +29,8 @@ class SSDLike(nn.Module):
             locs.append(loc(f).permute(0, 2, 3, 1).flatten(1))
             confs.append(conf(f).permute(0, 2, 3, 1).reshape(x.shape[0], -1, self.num_classes))
         return torch.cat(locs, 1).pow(2).mean() + F.cross_entropy(
-            torch.cat(confs, 1).flatten(0, 1), torch.zeros(confs[0].shape[0] * sum(c.shape[1] for c in confs), dtype=torch.long)
+            torch.cat(confs, 1).flatten(0, 1),
+            torch.zeros(confs[0].shape[0] * sum(c.shape[1] for c in confs), dtype=torch.long),
         )
 
 
@@ -59,7 +60,9 @@ class DenseBlock(nn.Module):
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.BatchNorm2d(channels + k * growth), nn.ReLU(), nn.Conv2d(channels + k * growth, growth, 3, padding=1))
+            nn.Sequential(
+                nn.BatchNorm2d(channels + k * growth), nn.ReLU(), nn.Conv2d(channels + k * growth, growth, 3, padding=1)
+            )
             for k in range(layers)
         )
         self.head = nn.Linear(channels + layers * growth, 5)

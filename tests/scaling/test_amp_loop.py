@@ -29,7 +29,9 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def recipe_loop(net, opt, scaler, use_amp: bool, steps: int, inf_steps=(), max_norm: float = 0.5) -> list[list[torch.Tensor]]:
+def recipe_loop(
+    net, opt, scaler, use_amp: bool, steps: int, inf_steps=(), max_norm: float = 0.5
+) -> list[list[torch.Tensor]]:
     """The recipe's training loop; returns the gradients the optimizer saw at each step (after unscale_ and clipping)."""
     seen = []
     for step, (input, target) in zip(range(steps), loader()):
@@ -113,7 +115,9 @@ def test_misuse_raises_as_gradscaler_does(name: str) -> None:
 
     backward()
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer since the last update\(\)"):
+    with pytest.raises(
+        RuntimeError, match=r"unscale_\(\) has already been called on this optimizer since the last update\(\)"
+    ):
         scaler.unscale_(opt)
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)"):
@@ -146,7 +150,9 @@ def test_checkpoint_with_the_scaler_state_resumes_exactly(tmp_path) -> None:
     recipe_loop(resumed, resumed_opt, resumed_scaler, use_amp=True, steps=4)
 
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters()))
-    assert (resumed_scaler.iteration, resumed_scaler.skipped_steps) == (scaler.iteration, scaler.skipped_steps) == (7, 1)
+    assert (
+        (resumed_scaler.iteration, resumed_scaler.skipped_steps) == (scaler.iteration, scaler.skipped_steps) == (7, 1)
+    )
     assert resumed_scaler.scales() == scaler.scales()
 
 

@@ -28,7 +28,9 @@ class ResidualCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        self.block = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)
+        )
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,9 @@ def _fresh(make: type[nn.Module]) -> nn.Module:
     return make()
 
 
-def _train(model: nn.Module, scaler: GradientScaler | None, shape: tuple[int, ...], record: list, lr: float = 0.1) -> None:
+def _train(
+    model: nn.Module, scaler: GradientScaler | None, shape: tuple[int, ...], record: list, lr: float = 0.1
+) -> None:
     """SGD steps; ``record`` gets (gradients, scales or None) of each iteration."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for iteration in range(ITERATIONS):
@@ -216,7 +220,11 @@ def test_under_fp16_autocast_casts_inside_the_region_get_eager_gs_scales(make) -
     torch._dynamo.reset()
     shape = INPUTS[make]
     records = []
-    for compile_, scaled, dtype in ((_whole, True, torch.float16), (lambda model: model, True, torch.float16), (_whole, False, torch.float32)):
+    for compile_, scaled, dtype in (
+        (_whole, True, torch.float16),
+        (lambda model: model, True, torch.float16),
+        (_whole, False, torch.float32),
+    ):
         model = compile_(_fresh(make))
         scaler = GradientScaler(model, update_interval=UPDATE_INTERVAL) if scaled else None
         record: list = []

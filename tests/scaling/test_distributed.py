@@ -59,7 +59,9 @@ def _ddp_steps(rank: int, out: Path) -> None:
     model = DistributedDataParallel(_model())
     x, upstream = _batch()
     half = slice(rank * 32, (rank + 1) * 32)  # the mean over each half, averaged by DDP: the global batch's mean
-    torch.save(_train(model, x[half], upstream[half], GradientScaler(model, update_interval=100)), out / f"rank{rank}.pt")
+    torch.save(
+        _train(model, x[half], upstream[half], GradientScaler(model, update_interval=100)), out / f"rank{rank}.pt"
+    )
 
 
 def _rank(rank: int, port: int, out: Path) -> None:
@@ -82,7 +84,9 @@ def test_ddp_measures_drift_and_updates_where_one_process_does(tmp_path: Path) -
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     model = _model()
     single = _train(model, *_batch(), GradientScaler(model, update_interval=100))
-    assert single["measured"] == 4 and len(single["updates"]) > 1  # the drift asked for updates between the scheduled ones
+    assert (
+        single["measured"] == 4 and len(single["updates"]) > 1
+    )  # the drift asked for updates between the scheduled ones
     for result in ranks:
         assert result["measured"] == 4  # every weight gradient read, though none was deferred
         assert result["updates"] == single["updates"]
@@ -118,7 +122,9 @@ def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
     try:
         model = _bn_model()
         for block in list(model)[:2]:
-            fully_shard(block)  # resharded after the forward: the BatchNorm weights' storage is freed until the backward
+            fully_shard(
+                block
+            )  # resharded after the forward: the BatchNorm weights' storage is freed until the backward
         fully_shard(model)
         x, y = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank)), torch.arange(16) % 4
         with warnings.catch_warnings(record=True) as caught:
@@ -134,7 +140,9 @@ def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_unsharded_model_does(tmp_path: Path) -> None:
+def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_unsharded_model_does(
+    tmp_path: Path,
+) -> None:
     """The update's BatchNorm gain bound reads no weight FSDP2 freed (it crashed the process with SIGSEGV), and
     FSDP2's autograd markers pass the scales through: the same decisions as unsharded, no opaque region. The
     layers carry their modules' names from the first step, though the autograd graph holds FSDP2's unsharded
@@ -142,13 +150,17 @@ def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_uns
     code, nor of a DTensor it made."""
     mp.spawn(_fsdp2_rank, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(WORLD)]
-    unsharded = _bn_steps(_bn_model(), torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4)
+    unsharded = _bn_steps(
+        _bn_model(), torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4
+    )
     assert unsharded == (0, ["cast", "gemm", "gemm", "gemm"], [["0.0", "1.0", "2", "2.cast"]] * 4)
     assert [rank["steps"] for rank in ranks] == [unsharded] * WORLD
     package = str(Path(gs_lightning.__file__).parent)
     for rank in ranks:
         assert [(m, f) for m, f in rank["warnings"] if f.startswith(package) or "DTensor" in m] == []
-        assert rank["refused"].startswith("GradientScaler: parameter 2.bias is torch.float16")  # named, not "of shape (2,)"
+        assert rank["refused"].startswith(
+            "GradientScaler: parameter 2.bias is torch.float16"
+        )  # named, not "of shape (2,)"
 
 
 def test_ddp_with_an_fp16_compression_hook_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -165,7 +177,9 @@ def test_ddp_with_an_fp16_compression_hook_is_refused_in_one_line(tmp_path: Path
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = (model(x).float() * upstream).mean()
             if refused:
-                with pytest.raises(ValueError, match=r"fp16_compress_hook all-reduces gradients in fp16.*bf16_compress_hook"):
+                with pytest.raises(
+                    ValueError, match=r"fp16_compress_hook all-reduces gradients in fp16.*bf16_compress_hook"
+                ):
                     scaler.backward(loss)
             else:
                 scaler.backward(loss)

@@ -50,7 +50,11 @@ def _step(scaler: GradientScaler, optimizer: torch.optim.Optimizer, loss: torch.
 
 
 def _train_measuring(
-    model: nn.Module, lr: float, steps: int, loss_at: Callable[[int, Callable], torch.Tensor], threshold: float = LAMBDA_MIN
+    model: nn.Module,
+    lr: float,
+    steps: int,
+    loss_at: Callable[[int, Callable], torch.Tensor],
+    threshold: float = LAMBDA_MIN,
 ) -> tuple[GradientScaler, list[float]]:
     """``steps`` fp16-autocast steps of ``loss_at(t, keep)``, where ``keep`` is the hook that captures the
     gradient to measure; returns the scaler and, per step, that gradient's fraction below ``threshold`` (λmin)."""
@@ -104,12 +108,18 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
     assert _below(captured[0]) <= 2 * TARGET
     assert head.measured_underflow <= 2 * TARGET
     # Its estimate still misses γ' (no power of two fits both ∇X and ∇W): layers() says why.
-    assert head.underflow_rate > TARGET and head.limit is Limit.WEIGHT_GRADIENT and head.limited_by == "overflow of the weight gradient"
+    assert (
+        head.underflow_rate > TARGET
+        and head.limit is Limit.WEIGHT_GRADIENT
+        and head.limited_by == "overflow of the weight gradient"
+    )
     for name, parameter in model.named_parameters():
         assert torch.isfinite(parameter.grad).all(), name
 
 
-def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_unmeasured(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_unmeasured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The exact weight gradient costs a GEMM per layer: an update computes it for every GEMM first, then only for
     those whose Cauchy–Schwarz bound held the scale on an earlier update. Where that bound holds on a GEMM not
     measured (issue 14's head, once its weights shrink 100x), it holds for that update, and the next backward
@@ -190,7 +200,9 @@ def _two_heads() -> tuple[nn.Module, Callable[..., torch.Tensor]]:
     def loss(blow_up: float = 1.0, factor: float = 1.0) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.float16):
             hidden = torch.relu(model["trunk"](x))
-            heads = (model["a"](hidden).float() * upstream_a).sum() * blow_up + (model["b"](hidden).float() * upstream_b).sum()
+            heads = (model["a"](hidden).float() * upstream_a).sum() * blow_up + (
+                model["b"](hidden).float() * upstream_b
+            ).sum()
             return heads * factor
 
     return model, loss
@@ -203,7 +215,9 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
     weight gradients asks for another on the next backward. B's weight gradients, large beside what
     it sends, take spike room (fp16's subnormals) from those values: none of them is lost."""
     torch.manual_seed(0)
-    model = nn.ModuleDict({"base": nn.Linear(64, 64), "a": nn.Linear(64, 16, bias=False), "b": nn.Linear(16, 64, bias=False)})
+    model = nn.ModuleDict(
+        {"base": nn.Linear(64, 64), "a": nn.Linear(64, 16, bias=False), "b": nn.Linear(16, 64, bias=False)}
+    )
     nn.init.zeros_(model["b"].weight)
     x, upstream = torch.randn(256, 64), torch.randn(256, 64)
 
@@ -229,7 +243,9 @@ def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> Non
     assert before["b"] > before["a"]  # a back-off of every layer's scale would lower b's
     assert not _step(scaler, optimizer, loss(1e8))  # head a's gradients overflow fp16
     # The trunk's are non-finite only because head a's ∇X was: not remembered as a spike of its own.
-    remembered = {leaf for leaf, _ in scaler.state_dict()["graphs"][-1]["drift"]["recent"][-1]} & scaler.drift.non_finite
+    remembered = {
+        leaf for leaf, _ in scaler.state_dict()["graphs"][-1]["drift"]["recent"][-1]
+    } & scaler.drift.non_finite
     assert len(scaler.drift.non_finite) == 4 and len(remembered) == 2  # head a's weight and bias
     assert _step(scaler, optimizer, loss(1.0))  # the next update
     after = {layer.name: layer for layer in scaler.layers()}
@@ -288,7 +304,10 @@ def test_a_resumed_scaler_continues_as_the_uninterrupted_one() -> None:
             _step(scaler, optimizer, loss(blow_up, factor))
         assert resumed.state_dict() == uninterrupted.state_dict()
         assert resumed.drift == uninterrupted.drift
-    assert uninterrupted.state_dict()["graphs"][-1]["drift"]["reference"] and uninterrupted.state_dict()["graphs"][-1]["layer_backoff"]
+    assert (
+        uninterrupted.state_dict()["graphs"][-1]["drift"]["reference"]
+        and uninterrupted.state_dict()["graphs"][-1]["layer_backoff"]
+    )
 
 
 def _reader(drift: GradientDrift, alpha: int) -> Callable[..., DriftReading]:
@@ -324,14 +343,18 @@ def test_drift_is_measured_from_the_level_when_the_update_batch_was_above_it() -
     read = _reader(drift, 0)
     for value in (1.0, 1.2, 0.9, 1.1):
         read([value / 2, value])
-    assert read([1.0, 8.0], update=True).drift_log2 == 0.0  # a batch 2^3 above the level: the reference is the level, 1.1
+    assert (
+        read([1.0, 8.0], update=True).drift_log2 == 0.0
+    )  # a batch 2^3 above the level: the reference is the level, 1.1
     assert not read([0.5, 1.0]).drifted  # an ordinary batch: not 3 binades of drift
     assert not read([0.25, 0.5]).drifted  # one batch a binade below the level: not yet
     for _ in range(3):
         reading = read([0.25, 0.5])
     assert reading.drift_log2 == pytest.approx(math.log2(1.1 / 0.5))  # four: the level fell a binade, drift
     read([0.5, 1.0])
-    assert read([0.25, 0.5], update=True).drift_log2 == 0.0 and drift.reference[0][1] == 0.5  # a batch below its level: its own value
+    assert (
+        read([0.25, 0.5], update=True).drift_log2 == 0.0 and drift.reference[0][1] == 0.5
+    )  # a batch below its level: its own value
 
 
 def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected() -> None:
@@ -385,11 +408,17 @@ def _without_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _large_inputs(model: nn.Module) -> torch.Tensor:
     """A squared output of large inputs: the weight gradients bound the scale, not ∇X."""
-    return model(torch.randn(1024, 64, generator=torch.Generator().manual_seed(1)) * 1024).float().square().mean() * 2.0**-14
+    return (
+        model(torch.randn(1024, 64, generator=torch.Generator().manual_seed(1)) * 1024).float().square().mean()
+        * 2.0**-14
+    )
 
 
 def _hard_batches(
-    scaler: GradientScaler, model: nn.Module, log2_spikes: tuple[float, ...] = (8,) * 5, loss_of: Callable[[nn.Module], torch.Tensor] = _large_inputs
+    scaler: GradientScaler,
+    model: nn.Module,
+    log2_spikes: tuple[float, ...] = (8,) * 5,
+    loss_of: Callable[[nn.Module], torch.Tensor] = _large_inputs,
 ) -> list[int]:
     """40 steps of ``loss_of`` under fp16 autocast, every 7th batch a hard one, the n-th with gradients 2^log2_spikes[n] larger; returns the skipped steps."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -458,13 +487,17 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update(mo
 
     scaler = run()
     plan, analysis = scaler.graphs[-1].plans[()], scaler.graphs[-1].analyses[()]
-    highest = functools.partial(expected_total, lambda_max=scaler.format.max, margin_log2=scaler.recipe.expected_maxima_margin_log2)
+    highest = functools.partial(
+        expected_total, lambda_max=scaler.format.max, margin_log2=scaler.recipe.expected_maxima_margin_log2
+    )
     leaf = next(iter(analysis.leaf_sources))
     expected = scaler.graphs[-1].drift.expected[leaf]
     assert within_margin(analysis, plan, {leaf: expected}, highest)
     assert not within_margin(analysis, plan, {leaf: expected * 2.0**12}, highest)
     assert not within_margin(analysis, plan, {-1: expected}, highest)
-    monkeypatch.setattr(StepRead, "_surprise_within_margin", lambda self, graph: False)  # an update for every rise, as before
+    monkeypatch.setattr(
+        StepRead, "_surprise_within_margin", lambda self, graph: False
+    )  # an update for every rise, as before
     assert run().update_iterations > scaler.update_iterations
 
 

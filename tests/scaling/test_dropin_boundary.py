@@ -56,7 +56,9 @@ def _grad_of_a_parameter_the_backward_missed(model: nn.Module) -> None:
     model.extra.grad = torch.tensor([0.0, float("nan"), 0.0])
 
 
-def _assert_skipped_with_the_weights_untouched(model: nn.Module, scaler: GradientScaler, opt: torch.optim.Optimizer, with_unscale: bool) -> None:
+def _assert_skipped_with_the_weights_untouched(
+    model: nn.Module, scaler: GradientScaler, opt: torch.optim.Optimizer, with_unscale: bool
+) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     if with_unscale:
         scaler.unscale_(opt)
@@ -249,7 +251,9 @@ def test_scale_takes_nested_outputs_and_one_backward_gives_true_gradients() -> N
     assert isinstance(scaled, list) and isinstance(scaled[1], tuple) and scaled[0].shape == (6, 2)
     grad_first = torch.ones(6, 2)
     torch.autograd.backward([scaled[0], *scaled[1]], [grad_first, None, None])
-    torch.autograd.backward([ref_out[:, :2] * 1e-3, ref_out[:, 2:].sum() * 1e-3, ref_out.mean()], [grad_first, None, None])
+    torch.autograd.backward(
+        [ref_out[:, :2] * 1e-3, ref_out[:, 2:].sum() * 1e-3, ref_out.mean()], [grad_first, None, None]
+    )
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
 
 
@@ -271,7 +275,10 @@ def test_scale_rejects_what_gradscaler_rejects() -> None:
 
 
 def test_a_skipped_step_restores_the_buffers_of_every_attached_model() -> None:
-    generator, discriminator = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Sequential(nn.Linear(8, 1), nn.BatchNorm1d(1))
+    generator, discriminator = (
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)),
+        nn.Sequential(nn.Linear(8, 1), nn.BatchNorm1d(1)),
+    )
     scaler = GradientScaler(generator)
     scaler.attach(discriminator)
     opt = torch.optim.SGD([*generator.parameters(), *discriminator.parameters()], lr=0.1)

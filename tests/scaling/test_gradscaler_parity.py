@@ -45,7 +45,12 @@ def create_scaling_models_optimizers(optimizer_ctor=torch.optim.SGD, optimizer_k
     mod_control = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     mod_scaling = copy.deepcopy(mod_control)
     kwargs = {"lr": 1.0, **(optimizer_kwargs or {})}
-    return mod_control, mod_scaling, optimizer_ctor(mod_control.parameters(), **kwargs), optimizer_ctor(mod_scaling.parameters(), **kwargs)
+    return (
+        mod_control,
+        mod_scaling,
+        optimizer_ctor(mod_control.parameters(), **kwargs),
+        optimizer_ctor(mod_scaling.parameters(), **kwargs),
+    )
 
 
 def create_scaling_case(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
@@ -116,11 +121,20 @@ def assert_same_training(mod_control, mod_scaling, opt_control, opt_scaling) -> 
         torch.testing.assert_close(s, c, rtol=0, atol=0)
 
 
-def run_scaling_case(run: Callable, unskipped: int, skipped: int, source: str | None = None, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None) -> None:
+def run_scaling_case(
+    run: Callable,
+    unskipped: int,
+    skipped: int,
+    source: str | None = None,
+    optimizer_ctor=torch.optim.SGD,
+    optimizer_kwargs=None,
+) -> None:
     """Upstream ``_run_scaling_case``: the control loop (no scaler) and the scaling loop from the same
     weights and data, with the scaler enabled and disabled (the same control flow must work both ways)."""
     for enabled in (True, False):
-        mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn = create_scaling_case(optimizer_ctor, optimizer_kwargs)
+        mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn = create_scaling_case(
+            optimizer_ctor, optimizer_kwargs
+        )
         # update_interval=2: the run both decides scales and replays decided ones
         scaler = GradientScaler(mod_scaling, update_interval=2, enabled=enabled)
         steps = count_steps(opt_scaling)
@@ -219,7 +233,9 @@ def test_grad_scaling_unscale_sparse_uncoalesced_fp16_overflow() -> None:
     optimizer = torch.optim.SGD([param], lr=1.0)
     scaler = GradientScaler()
     i = torch.tensor([[0, 1, 0], [2, 0, 2]])
-    param.grad = torch.sparse_coo_tensor(i, torch.tensor([64000.0, 32.0, 64000.0]), (2, 3), dtype=torch.float16, check_invariants=True)
+    param.grad = torch.sparse_coo_tensor(
+        i, torch.tensor([64000.0, 32.0, 64000.0]), (2, 3), dtype=torch.float16, check_invariants=True
+    )
     assert not scaler.step(optimizer)
     assert torch.equal(param.detach(), torch.zeros_like(param))
 
@@ -408,7 +424,14 @@ AUTOCAST_OPTIMIZERS = {
 def test_grad_scaling_autocast(optimizer: str, pickle_scaler: bool) -> None:
     """test_grad_scaling_autocast (and its foreach and fused variants): fp16 autocast, one iteration's step skipped."""
     ctor, kwargs = AUTOCAST_OPTIMIZERS[optimizer]
-    run_scaling_case(autocast_run(pickle_scaler), unskipped=3, skipped=1, source="written_grad", optimizer_ctor=ctor, optimizer_kwargs=kwargs)
+    run_scaling_case(
+        autocast_run(pickle_scaler),
+        unskipped=3,
+        skipped=1,
+        source="written_grad",
+        optimizer_ctor=ctor,
+        optimizer_kwargs=kwargs,
+    )
 
 
 @pytest.mark.parametrize("source", OVERFLOW_SOURCES)
@@ -555,7 +578,10 @@ def test_grad_scaling_multiple(source: str) -> None:
         # Upstream: the scale grew 3 times and backed off once. What it protects: which steps were skipped.
         assert (len(steps0), len(steps1), scaler.skipped_steps) == ((4, 3, 1) if enabled else (4, 4, 0))
         assert any(scale != 1.0 for scale in overflow.scales) == enabled
-        for c, s in zip(chain(mod_control0.parameters(), mod_control1.parameters()), chain(mod_scaling0.parameters(), mod_scaling1.parameters())):
+        for c, s in zip(
+            chain(mod_control0.parameters(), mod_control1.parameters()),
+            chain(mod_scaling0.parameters(), mod_scaling1.parameters()),
+        ):
             torch.testing.assert_close(s, c, rtol=0, atol=0)
 
 
@@ -577,12 +603,18 @@ def test_grad_scaling_autocast_fused_optimizers(optimizer: str, separate_unscale
     ctor, kwargs = FUSED_OPTIMIZERS[optimizer]
     mod_control, mod_scaling, _, opt_scaling, data, loss_fn = create_scaling_case(ctor, {**kwargs, "fused": True})
     opt_control = ctor(mod_control.parameters(), lr=1.0, **kwargs, fused=False)
-    scaler_control, scaler_scaling = GradientScaler(mod_control, update_interval=2), GradientScaler(mod_scaling, update_interval=2)
+    scaler_control, scaler_scaling = (
+        GradientScaler(mod_control, update_interval=2),
+        GradientScaler(mod_scaling, update_interval=2),
+    )
     # upstream's tolerances: fused and for-loop Adam round differently with float betas
     loose = {"atol": 2e-5, "rtol": 2e-5}
     for input, target in data:
         losses = []
-        for model, opt, scaler, unscale in ((mod_control, opt_control, scaler_control, False), (mod_scaling, opt_scaling, scaler_scaling, separate_unscale)):
+        for model, opt, scaler, unscale in (
+            (mod_control, opt_control, scaler_control, False),
+            (mod_scaling, opt_scaling, scaler_scaling, separate_unscale),
+        ):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 losses.append(loss_fn(model(input), target))
@@ -597,7 +629,9 @@ def test_grad_scaling_autocast_fused_optimizers(optimizer: str, separate_unscale
             torch.testing.assert_close(s, c, **loose)
             for k, expected in opt_control.state[c].items():
                 actual = opt_scaling.state[s][k]
-                torch.testing.assert_close(actual.squeeze() if k == "step" else actual, expected, **(loose if "exp_avg_sq" in k else {}))
+                torch.testing.assert_close(
+                    actual.squeeze() if k == "step" else actual, expected, **(loose if "exp_avg_sq" in k else {})
+                )
 
 
 @pytest.mark.parametrize("impl", ["for_loop", "foreach", "fused"])

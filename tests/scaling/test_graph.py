@@ -38,7 +38,11 @@ def test_nodes_are_classified_and_named_after_their_modules() -> None:
             return g
 
     model = nn.ModuleDict(
-        {"attention": nn.MultiheadAttention(8, 2, batch_first=True), "rnn": nn.LSTM(8, 8, batch_first=True), "head": nn.Linear(8, 2)}
+        {
+            "attention": nn.MultiheadAttention(8, 2, batch_first=True),
+            "rnn": nn.LSTM(8, 8, batch_first=True),
+            "head": nn.Linear(8, 2),
+        }
     )
     x = torch.randn(2, 5, 8, requires_grad=True)
     h, _ = model["attention"](x, x, x, need_weights=False)
@@ -51,7 +55,9 @@ def test_nodes_are_classified_and_named_after_their_modules() -> None:
     names = {analysis.layer_names[i]: graph.names[i] for i in analysis.layer_names}
     assert names["head"] == "AddmmBackward0" and names["head.cast"] == "ToCopyBackward0"
     assert names["attention.attention"].startswith("ScaledDotProduct") and names["rnn"] == "MkldnnRnnLayerBackward0"
-    assert analysis.fused.keys() == {i for i, name in analysis.layer_names.items() if name in ("attention.attention", "rnn")}
+    assert analysis.fused.keys() == {
+        i for i, name in analysis.layer_names.items() if name in ("attention.attention", "rnn")
+    }
     assert {graph.names[i] for i in analysis.opaque} == {"FunctionBackward"}
     assert all(graph.names[j] == "AccumulateGrad" for j in analysis.leaf_sources)
     assert {id(graph.nodes[j].variable) for j in analysis.leaf_sources} == {id(p) for p in model.parameters()} | {id(x)}

@@ -147,7 +147,13 @@ def test_a_checkpoint_of_one_plan_loads() -> None:
     scaler.scale(F.cross_entropy(model(x), y)).backward()
     state = scaler.state_dict()
     (graph,) = state.pop("graphs")
-    old = {**state, **{k: graph[k] for k in ("plans", "drift", "layer_backoff", "layers", "first_non_finite", "last_skip", "force_update")}}
+    old = {
+        **state,
+        **{
+            k: graph[k]
+            for k in ("plans", "drift", "layer_backoff", "layers", "first_non_finite", "last_skip", "force_update")
+        },
+    }
     restored = GradientScaler(model, update_interval=INTERVAL)
     restored.load_state_dict(old)
     assert restored.scales() == scaler.scales()
@@ -174,8 +180,12 @@ def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> 
     layers = [LayerScale(name, "gemm", 0, 0, math.nan) for name in ("a", "a", "b")]
     counts = (torch.tensor(1), torch.tensor(4))  # 1 of 4 nonzero values below λmin
     decisions = SimpleNamespace(
-        layers=layers, finite_flags=[], unread_rates=[UnreadRates(2, (), (counts,), 0.0, False)], undecided=set(),
-        weight_bound=set(), unmeasured=set(),
+        layers=layers,
+        finite_flags=[],
+        unread_rates=[UnreadRates(2, (), (counts,), 0.0, False)],
+        undecided=set(),
+        weight_bound=set(),
+        unmeasured=set(),
     )
     run = SimpleNamespace(decisions=decisions, unread=list, read_in=lambda values: None)  # its scales already read
     scales.keep_update(run, ScalePlan((), (), {}, {}))

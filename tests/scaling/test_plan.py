@@ -29,18 +29,29 @@ def _loss(model: nn.Module) -> torch.Tensor:
 
 def test_edge_shift_brings_leaves_to_their_target_and_branches_to_their_scale() -> None:
     graph = walk(_loss(_model()).grad_fn)
-    leaf_edges = [(i, e) for i, edges in enumerate(graph.edges) for e in edges if e is not None and graph.names[e[0]] == "AccumulateGrad"]
-    branch = next(slot for slot, count in graph.in_counts.items() if count > 1 and graph.names[slot[0]] != "AccumulateGrad")
+    leaf_edges = [
+        (i, e)
+        for i, edges in enumerate(graph.edges)
+        for e in edges
+        if e is not None and graph.names[e[0]] == "AccumulateGrad"
+    ]
+    branch = next(
+        slot for slot, count in graph.in_counts.items() if count > 1 and graph.names[slot[0]] != "AccumulateGrad"
+    )
     _, leaf_edge = leaf_edges[0]
     leaf = leaf_edge[0]
     assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets()) == -5  # a parameter: its true gradient
     assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets(deferred=frozenset({leaf}))) == 0  # unscaled later
-    assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets(exits=frozenset({leaf}), exit_alpha=2)) == -3  # handed on at 2^2
+    assert (
+        edge_shift(graph, leaf_edge, 5, {}, LeafTargets(exits=frozenset({leaf}), exit_alpha=2)) == -3
+    )  # handed on at 2^2
     assert edge_shift(graph, branch, 5, {branch: 3}, LeafTargets()) == -2
     assert edge_shift(graph, None, 5, {}, LeafTargets()) == 0
 
 
-def _plain_grads_then_an_update(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]) -> tuple[list[torch.Tensor], GradientScaler]:
+def _plain_grads_then_an_update(
+    model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]
+) -> tuple[list[torch.Tensor], GradientScaler]:
     """``model``'s gradients from a plain backward, and a scaler that has run its update on the same loss (the next backwards replay)."""
     loss_of(model).backward()
     reference = [p.grad.clone() for p in model.parameters()]
@@ -76,7 +87,11 @@ def test_plan_state_is_plain_containers_that_load_with_weights_only() -> None:
     state = torch.load(buffer, weights_only=True)
     ((path, plan_state),) = state["graphs"][0]["plans"]
     plan = ScalePlan.from_state_dict(plan_state)
-    assert path == [] and plan.alpha_out == scaler.graphs[-1].plans[()].alpha_out and plan.slot_alpha == scaler.graphs[-1].plans[()].slot_alpha
+    assert (
+        path == []
+        and plan.alpha_out == scaler.graphs[-1].plans[()].alpha_out
+        and plan.slot_alpha == scaler.graphs[-1].plans[()].slot_alpha
+    )
     assert plan.matches(walk(_loss(model).grad_fn))
 
 
@@ -107,8 +122,17 @@ def test_a_weight_used_several_times_is_unscaled_once_on_a_replay_and_stays_exac
     model = TiedLM()
     reference, scaler = _plain_grads_then_an_update(model, _tied_loss)
     graph = walk(_tied_loss(model).grad_fn)
-    tied = next(j for j, node in enumerate(graph.nodes) if graph.names[j] == "AccumulateGrad" and node.variable is model.embed.weight)
-    carried = [scaler.graphs[-1].plans[()].alpha_out[i] for i, edges in enumerate(graph.edges) for e in edges if e is not None and e[0] == tied]
+    tied = next(
+        j
+        for j, node in enumerate(graph.nodes)
+        if graph.names[j] == "AccumulateGrad" and node.variable is model.embed.weight
+    )
+    carried = [
+        scaler.graphs[-1].plans[()].alpha_out[i]
+        for i, edges in enumerate(graph.edges)
+        for e in edges
+        if e is not None and e[0] == tied
+    ]
     assert len(carried) == 4 and len(set(carried)) > 1  # four uses, at different scales
     model.zero_grad(set_to_none=True)
     loss = _tied_loss(model)
@@ -116,5 +140,7 @@ def test_a_weight_used_several_times_is_unscaled_once_on_a_replay_and_stays_exac
         scaler.backward(loss)  # a replay
     assert products.count < len(carried)
     assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
-    (got,) = torch.autograd.grad(scaler.scale(_tied_loss(model)), [model.embed.weight])  # captured, not accumulated: true too
+    (got,) = torch.autograd.grad(
+        scaler.scale(_tied_loss(model)), [model.embed.weight]
+    )  # captured, not accumulated: true too
     assert torch.equal(got, reference[0])

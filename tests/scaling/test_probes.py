@@ -54,8 +54,12 @@ _CONVOLUTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("dims", "transposed", "groups", "stride", "padding", "dilation", "output_padding"), _CONVOLUTIONS)
-def test_convolution_probe_is_the_input_gradient(dims, transposed, groups, stride, padding, dilation, output_padding) -> None:
+@pytest.mark.parametrize(
+    ("dims", "transposed", "groups", "stride", "padding", "dilation", "output_padding"), _CONVOLUTIONS
+)
+def test_convolution_probe_is_the_input_gradient(
+    dims, transposed, groups, stride, padding, dilation, output_padding
+) -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4, *[6] * dims, generator=generator, requires_grad=True)
     shape = (4, 8 // groups) if transposed else (8, 4 // groups)
@@ -203,7 +207,13 @@ def test_attention_with_dropout_probes_values_of_the_same_distribution(edge: int
     grad = torch.randn(8, 4, 64, 16, generator=generator) * 2.0**-24
     node = _fake_node(
         "ScaledDotProductEfficientAttentionBackward0",
-        query=q, key=k, value=v, attn_bias=None, dropout_p=0.3, is_causal=False, scale=None,
+        query=q,
+        key=k,
+        value=v,
+        attn_bias=None,
+        dropout_p=0.3,
+        is_causal=False,
+        scale=None,
     )
     sample = probes.probe(node, grad, edge, None, elements=2**14)
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -264,7 +274,9 @@ def test_onednn_lstm_probe_is_the_input_and_state_gradient(bidirectional: bool, 
     assert len(nodes) == directions and set(probes.RNN_PROBED) >= {"MkldnnRnnLayerBackward0"}
     results = {}
     for node in nodes:
-        node.register_prehook(lambda grads, node=node: results.update({(node, e): probes.rnn_probe(node, grads, e) for e in (0, 5, 6)}))
+        node.register_prehook(
+            lambda grads, node=node: results.update({(node, e): probes.rnn_probe(node, grads, e) for e in (0, 5, 6)})
+        )
     torch.autograd.backward([y, h, c], [torch.randn(t.shape, generator=generator) for t in (y, h, c)])
     input_grad = sum(results[(node, 0)] for node in nodes)  # time-major, summed over directions
     torch.testing.assert_close(input_grad, x.grad.transpose(0, 1) if batch_first else x.grad, rtol=1e-5, atol=1e-6)
@@ -277,9 +289,19 @@ def _fake_cudnn_node(rnn: nn.RNNBase, x: torch.Tensor, hx: torch.Tensor, cx: tor
     """A stand-in for CUDA's CudnnRnnBackward0."""
     return _fake_node(
         "CudnnRnnBackward0",
-        input=x, weight=list(rnn._flat_weights), hx=hx, cx=cx, mode=mode, hidden_size=rnn.hidden_size,
-        proj_size=rnn.proj_size, num_layers=rnn.num_layers, batch_first=rnn.batch_first, dropout=rnn.dropout,
-        train=True, bidirectional=rnn.bidirectional, batch_sizes=(),
+        input=x,
+        weight=list(rnn._flat_weights),
+        hx=hx,
+        cx=cx,
+        mode=mode,
+        hidden_size=rnn.hidden_size,
+        proj_size=rnn.proj_size,
+        num_layers=rnn.num_layers,
+        batch_first=rnn.batch_first,
+        dropout=rnn.dropout,
+        train=True,
+        bidirectional=rnn.bidirectional,
+        batch_sizes=(),
     )
 
 
@@ -341,4 +363,3 @@ def test_probes_ignore_autocast_around_the_backward() -> None:
         y.backward(grad)
     assert result[0].dtype == torch.float32
     torch.testing.assert_close(result[0].reshape(x.shape), grad @ w.t(), rtol=1e-6, atol=1e-6)
-

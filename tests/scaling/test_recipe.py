@@ -87,7 +87,9 @@ def test_the_paper_recipe_decides_a_cast_by_theorem_2() -> None:
     scaler.backward(F.cross_entropy(logits32, y) * 1e-6)
     (cast,) = [layer for layer in scaler.layers() if layer.kind == "cast"]
     logs = captured[0].abs()[captured[0] != 0].double().log()
-    lower = cast_min_log2_scale(float(logs.mean()), float(logs.std(unbiased=False)), scaler.lambda_min_value, scaler.recipe.underflow_rate)
+    lower = cast_min_log2_scale(
+        float(logs.mean()), float(logs.std(unbiased=False)), scaler.lambda_min_value, scaler.recipe.underflow_rate
+    )
     assert cast.log2_scale == max(math.ceil(lower), 0) and cast.measured_underflow is None
     assert cast.underflow_rate <= scaler.recipe.underflow_rate
     assert all(layer.measured_underflow is None for layer in scaler.layers())  # no exact probes anywhere

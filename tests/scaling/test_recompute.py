@@ -48,7 +48,12 @@ def _loss(model: nn.Module, x: torch.Tensor, factor: float = 1.0) -> torch.Tenso
 
 
 def _step(
-    scaler: GradientScaler, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, backwards: int = 1, factor: float = 1.0
+    scaler: GradientScaler,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    backwards: int = 1,
+    factor: float = 1.0,
 ) -> bool:
     optimizer.zero_grad(set_to_none=True)
     for _ in range(backwards):
@@ -77,7 +82,9 @@ def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_t
         assert torch.isfinite(p.grad).all(), parameter_name
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()))
     spiked = model[0].weight.grad[:, :IGNORED]
-    assert float(spiked.abs().max()) * 2.0 ** scaler.layers()[-1].log2_total > torch.finfo(torch.float16).max  # it did overflow at that scale
+    assert (
+        float(spiked.abs().max()) * 2.0 ** scaler.layers()[-1].log2_total > torch.finfo(torch.float16).max
+    )  # it did overflow at that scale
     assert _step(scaler, model, optimizer, easy) and scaler.skipped_steps == 0
 
 
@@ -138,7 +145,9 @@ def test_recomputed_steps_are_saved_and_restored() -> None:
     assert _step(restored, model, optimizer, easy) and restored.recomputed_steps == 1
 
 
-@pytest.mark.filterwarnings("ignore:GradientScaler. could not compute a scale:RuntimeWarning")  # the update's probe reads it first
+@pytest.mark.filterwarnings(
+    "ignore:GradientScaler. could not compute a scale:RuntimeWarning"
+)  # the update's probe reads it first
 def test_a_saved_operand_modified_in_place_fails_in_autograd_not_in_the_replays_keeping() -> None:
     """The replay takes the operands before the backward; one that user code changed in place is not kept, and the
     backward raises autograd's own error, as it would without the scaler."""
@@ -225,9 +234,13 @@ class _Tokens(nn.Module):
 
 
 LAYOUTS = {  # model, input: every parameter edge kind the recomputation knows
-    "grouped convolution": (lambda: nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 1, 1, bias=False)), (4, 4, 6, 6)),
+    "grouped convolution": (
+        lambda: nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 1, 1, bias=False)),
+        (4, 4, 6, 6),
+    ),
     "transposed convolution, then a 1-d one": (
-        lambda: nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2), nn.ReLU(), nn.Flatten(2), nn.Conv1d(6, 1, 1)), (2, 4, 5, 5)
+        lambda: nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2), nn.ReLU(), nn.Flatten(2), nn.Conv1d(6, 1, 1)),
+        (2, 4, 5, 5),
     ),
     "linear on tokens, and without bias": (_Tokens, (24, 8)),
 }
@@ -256,7 +269,8 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
             assert recomputed is not None and len(recomputed) == len(list(model.parameters()))
             for parameter, grad in recomputed.values():
                 tolerance = 2e-2 if autocast else 1e-5
-                torch.testing.assert_close(grad, parameter.grad, rtol=tolerance, atol=tolerance * float(parameter.grad.abs().max()))
+                torch.testing.assert_close(
+                    grad, parameter.grad, rtol=tolerance, atol=tolerance * float(parameter.grad.abs().max())
+                )
         scaler.step(optimizer)
         scaler.update()
-

@@ -33,19 +33,36 @@ _G = torch.Generator().manual_seed(0)
 _X = torch.randn(2, 3, 32, 32, generator=_G)
 
 CASES = {
-    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), lambda m: F.cross_entropy(m(_X), torch.tensor([1, 2]))),
+    "resnet18": (
+        lambda: torchvision.models.resnet18(num_classes=10),
+        lambda m: F.cross_entropy(m(_X), torch.tensor([1, 2])),
+    ),
     "ssd_like": (SSDLike, lambda m: m(_X[:, :, :16, :16])),
     "segnet_like": (
         SegNetLike,
-        lambda m: F.cross_entropy(m(_X[:, :, :12, :20]), torch.randint(0, 3, (2, 12, 20), generator=torch.Generator().manual_seed(1))),
+        lambda m: F.cross_entropy(
+            m(_X[:, :, :12, :20]), torch.randint(0, 3, (2, 12, 20), generator=torch.Generator().manual_seed(1))
+        ),
     ),
     "densenet_like": (DenseBlock, lambda m: F.cross_entropy(m(_X[:, :, :8, :8]), torch.tensor([1, 2]))),
-    "weight_tied": (TiedLM, lambda m: F.cross_entropy(m(torch.tensor([[1, 2, 3], [4, 5, 6]])).flatten(0, 1), torch.arange(1, 7))),
+    "weight_tied": (
+        TiedLM,
+        lambda m: F.cross_entropy(m(torch.tensor([[1, 2, 3], [4, 5, 6]])).flatten(0, 1), torch.arange(1, 7)),
+    ),
     "split_chunk_unbind": (SplitNet, lambda m: F.cross_entropy(m(_X[:, 0, 0, :6]), torch.tensor([1, 2]))),
     "two_output_function": (TwoOutputNet, lambda m: F.cross_entropy(m(_X[:, 0, 0, :5]), torch.tensor([1, 0]))),
-    "checkpoint_non_reentrant": (lambda: CheckpointedNet(use_reentrant=False), lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4)),
-    "checkpoint_reentrant": (lambda: CheckpointedNet(use_reentrant=True), lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4)),
-    "checkpoint_shared_weight": (CheckpointSharedNet, lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4)),
+    "checkpoint_non_reentrant": (
+        lambda: CheckpointedNet(use_reentrant=False),
+        lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4),
+    ),
+    "checkpoint_reentrant": (
+        lambda: CheckpointedNet(use_reentrant=True),
+        lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4),
+    ),
+    "checkpoint_shared_weight": (
+        CheckpointSharedNet,
+        lambda m: F.cross_entropy(m(_X[:, 0, :4, :8].flatten(0, 1)), torch.arange(8) % 4),
+    ),
 }
 
 
@@ -85,7 +102,6 @@ def test_layer_names_are_module_names() -> None:
 
 
 # --- the statistical model against Monte-Carlo samples ----------------------------------------
-
 
 
 # --- fp16 fidelity -----------------------------------------------------------------------------
@@ -250,8 +266,12 @@ def test_state_dict_round_trip_reuses_scales(case: str) -> None:
         state = scaler.state_dict()
         restored = GradientScaler(model, update_interval=10)
         restored.load_state_dict(state)
-        assert restored.scales() == scaler.scales() and restored.iteration == restored.update_iterations == 1  # inner graphs' runs are part of it
-        assert {path: plan.alpha_out for path, plan in restored.graphs[-1].plans.items()} == {p: q.alpha_out for p, q in scaler.graphs[-1].plans.items()}
+        assert (
+            restored.scales() == scaler.scales() and restored.iteration == restored.update_iterations == 1
+        )  # inner graphs' runs are part of it
+        assert {path: plan.alpha_out for path, plan in restored.graphs[-1].plans.items()} == {
+            p: q.alpha_out for p, q in scaler.graphs[-1].plans.items()
+        }
         model.zero_grad()
         scaler.backward(loss_fn(model) * 1e-6)
         expected = _grads(model)
@@ -275,7 +295,13 @@ def test_update_iterations_count_the_backwards_that_decided_scales() -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("underflow_rate", 0.0), ("underflow_rate", 0.7), ("update_interval", 0), ("lambda_min", "tiny"), ("max_total_scale", 0.5)],
+    [
+        ("underflow_rate", 0.0),
+        ("underflow_rate", 0.7),
+        ("update_interval", 0),
+        ("lambda_min", "tiny"),
+        ("max_total_scale", 0.5),
+    ],
 )
 def test_bad_options_name_what_is_wrong(option: str, value: object) -> None:
     with pytest.raises(ValueError, match=option):
@@ -332,7 +358,9 @@ def test_a_diverged_run_stops_naming_the_first_non_finite_layer() -> None:
         return scaler.step(optimizer)
 
     assert not any(diverged_step() for _ in range(3))
-    with pytest.raises(RuntimeError, match=r"4 optimizer steps in a row were skipped.*max_consecutive_skips=3.*layer '2'"):
+    with pytest.raises(
+        RuntimeError, match=r"4 optimizer steps in a row were skipped.*max_consecutive_skips=3.*layer '2'"
+    ):
         diverged_step()
     assert GradientScaler(max_consecutive_skips=None).max_consecutive_skips is None
 
@@ -473,7 +501,9 @@ def weight_probes_only_where(monkeypatch: pytest.MonkeyPatch, readable: Callable
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_checkpointed_blocks_are_scaled_as_the_plain_model(use_reentrant: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpointed_blocks_are_scaled_as_the_plain_model(
+    use_reentrant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Checkpointing changes how activations are kept, not what is scaled. Non-reentrant: the very
     same scales as the plain model decides without its weight-gradient probes (a checkpointed
     layer's input is not readable). Reentrant: every layer inside is still a decision point (the
@@ -484,7 +514,9 @@ def test_checkpointed_blocks_are_scaled_as_the_plain_model(use_reentrant: bool, 
     def scales_of(model: nn.Module) -> dict[str, float]:
         scaler = GradientScaler(model)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))).float(), torch.arange(64) % 4)
+            loss = F.cross_entropy(
+                model(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))).float(), torch.arange(64) % 4
+            )
         scaler.backward(loss * 1e-4)
         return scaler.scales()
 
@@ -499,7 +531,11 @@ def test_checkpointed_blocks_are_scaled_as_the_plain_model(use_reentrant: bool, 
     torch.manual_seed(0)
     plain = scales_of(CheckpointedNet(use_reentrant=use_reentrant))
     assert len(plain) > 5 and checkpointed.keys() == plain.keys()
-    assert checkpointed == plain if not use_reentrant else any(checkpointed[f"blocks.{k}.{n}"] > 1 for k in (0, 1) for n in "ab")
+    assert (
+        checkpointed == plain
+        if not use_reentrant
+        else any(checkpointed[f"blocks.{k}.{n}"] > 1 for k in (0, 1) for n in "ab")
+    )
 
 
 def test_a_failed_backward_leaves_no_scaled_gradient_behind() -> None:

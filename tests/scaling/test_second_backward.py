@@ -19,7 +19,13 @@ STEPS = 4
 def _penalty_run(make_scaler) -> list[bool]:
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, max_position_embeddings=32, num_labels=2
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        num_labels=2,
     )
     model = transformers.BertForSequenceClassification(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

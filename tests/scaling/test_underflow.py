@@ -32,7 +32,9 @@ def test_product_sum_cdf_matches_closed_forms(x: float) -> None:
     assert underflow.product_sum_cdf(x, 2) == pytest.approx(-math.expm1(-x), rel=1e-10)
     product_normal = 2 / math.pi * integrate.quad(special.k0, 0, x)[0]
     assert underflow.product_sum_cdf(x, 1) == pytest.approx(product_normal, rel=1e-8)
-    variance_gamma = integrate.quad(lambda z: 2 * z * special.kv(1, z) / (math.sqrt(math.pi) * special.gamma(1.5) * 2), 0, x)[0]
+    variance_gamma = integrate.quad(
+        lambda z: 2 * z * special.kv(1, z) / (math.sqrt(math.pi) * special.gamma(1.5) * 2), 0, x
+    )[0]
     assert underflow.product_sum_cdf(x, 3) == pytest.approx(variance_gamma, rel=1e-7)
 
 
@@ -44,7 +46,9 @@ def test_product_sum_tends_to_theorem1_for_long_sums() -> None:
     sigma = 3e-6
     paper = underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET)
     assert underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4096) == paper
-    assert float(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4095)) == pytest.approx(float(paper), abs=1e-3)
+    assert float(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=4095)) == pytest.approx(
+        float(paper), abs=1e-3
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 256])
@@ -52,7 +56,9 @@ def test_quantile_inverts_cdf_and_rate_matches_scale(n: int) -> None:
     q = underflow.product_sum_quantile(TARGET, n)
     assert underflow.product_sum_cdf(q, n) == pytest.approx(TARGET, rel=1e-6)
     sigma = 1e-7
-    k = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=n), math.inf)
+    k = underflow.choose_log2_scale(
+        underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=n), math.inf
+    )
     rates = [underflow.gemm_underflow_rate(e, sigma, LAMBDA, accumulation_length=n) for e in (k, k - 1)]
     assert rates[0] <= TARGET < rates[1]
 
@@ -74,7 +80,9 @@ def test_gemm_model_meets_target_for_gaussian_operands(n: int) -> None:
     weight = torch.randn(n, 256, generator=generator)
     exact = grad @ weight
     sigma = underflow.gemm_sigma(n, grad.pow(2).mean().sqrt().item(), weight.pow(2).mean().sqrt().item())
-    k = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=n), math.inf)
+    k = underflow.choose_log2_scale(
+        underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET, accumulation_length=n), math.inf
+    )
     assert underflow.sample_underflow_rate(exact, k, LAMBDA) <= LIMIT
     paper = underflow.choose_log2_scale(underflow.gemm_min_log2_scale(sigma, LAMBDA, TARGET), math.inf)
     if n == 1:
@@ -164,7 +172,12 @@ def test_rate_at_a_scale_counts_as_every_value_does() -> None:
         chosen = math.ceil(sample.min_log2_scale(LAMBDA, target))
         for log2_scale in range(chosen - 4, chosen + 4):
             expected = float((positive * 2.0**log2_scale < LAMBDA).sum()) / positive.numel()
-            assert underflow.counted_rate(*(float(c) for c in sample.underflow_count(torch.tensor(float(log2_scale)), LAMBDA))) == expected
+            assert (
+                underflow.counted_rate(
+                    *(float(c) for c in sample.underflow_count(torch.tensor(float(log2_scale)), LAMBDA))
+                )
+                == expected
+            )
             assert underflow.sample_underflow_rate(values, log2_scale, LAMBDA) == expected
 
 
@@ -183,7 +196,9 @@ def test_sample_min_log2_scale_on_known_values() -> None:
 def test_huge_tensors_are_subsampled_with_a_stride() -> None:
     values = torch.randn(3 * underflow.SAMPLE_LIMIT, generator=torch.Generator().manual_seed(4))
     strided = values[:: math.ceil(values.numel() / underflow.SAMPLE_LIMIT)]
-    assert underflow.sample_min_log2_scale(values, LAMBDA, TARGET) == underflow.sample_min_log2_scale(strided, LAMBDA, TARGET)
+    assert underflow.sample_min_log2_scale(values, LAMBDA, TARGET) == underflow.sample_min_log2_scale(
+        strided, LAMBDA, TARGET
+    )
 
 
 _DISTRIBUTIONS = {
@@ -203,7 +218,9 @@ def test_small_samples_generalise(kind: str) -> None:
     for n in (50, 300, 3000):
         rates = []
         for _ in range(100):
-            k = underflow.choose_log2_scale(underflow.sample_min_log2_scale(draw(n, generator) * 2.0**-24, LAMBDA, TARGET), math.inf)
+            k = underflow.choose_log2_scale(
+                underflow.sample_min_log2_scale(draw(n, generator) * 2.0**-24, LAMBDA, TARGET), math.inf
+            )
             threshold = torch.tensor(LAMBDA * 2.0**-k / 2.0**-24)
             rates.append(torch.searchsorted(reference, threshold).item() / reference.numel())
         rates = torch.tensor(rates)
@@ -225,12 +242,16 @@ def test_theorem1_scale_meets_target_on_normal_samples(sigma: float) -> None:
     assert k > 0
     assert _rate(samples * 2.0**k, LAMBDA) <= TARGET
     assert _rate(samples * 2.0 ** (k - 1), LAMBDA) > TARGET
-    assert underflow.gemm_underflow_rate(k, sigma, LAMBDA) <= TARGET < underflow.gemm_underflow_rate(k - 1, sigma, LAMBDA)
+    assert (
+        underflow.gemm_underflow_rate(k, sigma, LAMBDA) <= TARGET < underflow.gemm_underflow_rate(k - 1, sigma, LAMBDA)
+    )
 
 
 @pytest.mark.parametrize(("mu", "sigma"), [(-20.0, 1.5), (-14.0, 3.0)])
 def test_theorem2_scale_meets_target_on_lognormal_samples(mu: float, sigma: float) -> None:
-    samples = torch.exp(mu + sigma * torch.randn(2_000_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    samples = torch.exp(
+        mu + sigma * torch.randn(2_000_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    )
     k = underflow.choose_log2_scale(underflow.cast_min_log2_scale(mu, sigma, LAMBDA, TARGET), math.inf)
     assert _rate(samples * 2.0**k, LAMBDA) <= TARGET
     assert _rate(samples * 2.0 ** (k - 1), LAMBDA) > TARGET
@@ -265,7 +286,10 @@ def test_device_arithmetic_constants_round_once_keep_dtypes_and_refuse_tensors()
     for numerator in (6.103515625e-05, 65504.0 * math.sqrt(3.0), math.log(0.1)):
         quotients = underflow.divide(numerator, denominators)
         assert quotients.dtype == torch.float64
-        assert quotients.tolist() == [numerator / d if d else math.copysign(math.inf, numerator) * math.copysign(1.0, d) for d in denominators.tolist()]
+        assert quotients.tolist() == [
+            numerator / d if d else math.copysign(math.inf, numerator) * math.copysign(1.0, d)
+            for d in denominators.tolist()
+        ]
     for dtype in (torch.float32, torch.float64):
         chosen = underflow.where_or(torch.tensor([True, False]), torch.ones(2, dtype=dtype), -math.inf)
         assert chosen.dtype == dtype and chosen.tolist() == [1.0, -math.inf]

@@ -127,4 +127,3 @@ def test_a_product_by_a_constant_counts_as_a_gain() -> None:
     found = node_gains(graph, analyze(graph, {}))
     gains = sorted((graph.names[j], float(gain)) for j, gain in bounded_gains(found).items())
     assert gains == [("MulBackward0", 1.0), ("MulBackward0", 64.0)]  # the product by 0.5 grows nothing
-

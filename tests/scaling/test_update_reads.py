@@ -137,11 +137,19 @@ def test_decisions_and_merges_read_nothing_the_step_reads_them() -> None:
 
 def _encoder() -> tuple[nn.Module, torch.Tensor]:
     layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
-    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 10)), torch.randn(4, 6, 32)
+    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 10)), torch.randn(
+        4, 6, 32
+    )
 
 
-@pytest.mark.parametrize("caps", [{}, {"max_layer_scale": 16.0, "max_total_scale": 1024.0}], ids=["uncapped", "reference-caps"])
-@pytest.mark.parametrize("build", [lambda: (torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)), _encoder], ids=["resnet18", "encoder"])
+@pytest.mark.parametrize(
+    "caps", [{}, {"max_layer_scale": 16.0, "max_total_scale": 1024.0}], ids=["uncapped", "reference-caps"]
+)
+@pytest.mark.parametrize(
+    "build",
+    [lambda: (torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)), _encoder],
+    ids=["resnet18", "encoder"],
+)
 def test_host_reads_per_iteration(build, caps: dict[str, float]) -> None:
     """Host reads, scalar reads by the dispatcher included, under fp16 autocast: a backward reads nothing, update or
     replay (one read per decision point before issue 33); a step once, an update's scales and decisions with the

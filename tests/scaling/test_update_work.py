@@ -24,7 +24,11 @@ class _Allocations(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
-        if isinstance(out, torch.Tensor) and out.numel() >= self.numel and out.untyped_storage().data_ptr() not in inputs:
+        if (
+            isinstance(out, torch.Tensor)
+            and out.numel() >= self.numel
+            and out.untyped_storage().data_ptr() not in inputs
+        ):
             self.large.append(str(func))
         return out
 
@@ -109,7 +113,9 @@ def test_update_iteration_backward_reads_nothing(monkeypatch: pytest.MonkeyPatch
     reads = []
     for method in ("tolist", "item"):
         original = getattr(torch.Tensor, method)
-        monkeypatch.setattr(torch.Tensor, method, lambda self, original=original, method=method: reads.append(method) or original(self))
+        monkeypatch.setattr(
+            torch.Tensor, method, lambda self, original=original, method=method: reads.append(method) or original(self)
+        )
     model.zero_grad(set_to_none=True)
     scaler.backward(model(x).square().mean())
     monkeypatch.undo()

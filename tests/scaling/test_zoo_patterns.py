@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_scaler import weight_probes_only_where
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from test_scaler import weight_probes_only_where
 from torchvision import ops
 
 from gs_lightning import GradientScaler
@@ -86,8 +86,12 @@ def test_scaling_keeps_the_layout_of_a_view_into_concatenated_head_outputs() -> 
         root = scaler.scale(loss) if scaler is not None else loss
         seen = []
         for node in _nodes(root.grad_fn, "ConvolutionBackward0"):
-            name = next(n for n, p in model.named_parameters() if p is node.next_functions[1][0].variable).removesuffix(".weight")
-            node.register_prehook(lambda grads, name=name: seen.append((name, grads[0].stride(), grads[0].sum((0, 2, 3)))))
+            name = next(n for n, p in model.named_parameters() if p is node.next_functions[1][0].variable).removesuffix(
+                ".weight"
+            )
+            node.register_prehook(
+                lambda grads, name=name: seen.append((name, grads[0].stride(), grads[0].sum((0, 2, 3))))
+            )
         root.backward()
         return seen
 
@@ -152,7 +156,9 @@ def test_torchvision_roi_ops_pass_scales_through_and_deform_conv2d_is_a_gemm() -
     kinds = {layer.name: layer for layer in scaler.layers()}
     assert not any(layer.kind == "opaque" for layer in kinds.values())
     deform = kinds["deform"]
-    assert deform.kind == "gemm" and deform.log2_scale > 0 and deform.underflow_rate == deform.underflow_rate  # probed: a rate
+    assert (
+        deform.kind == "gemm" and deform.log2_scale > 0 and deform.underflow_rate == deform.underflow_rate
+    )  # probed: a rate
     assert {"offset", "mask"} <= kinds.keys()  # scales reach the layers below the RoI ops and the deformable conv
 
 
@@ -175,7 +181,10 @@ class Gpt2Mlp(nn.Module):
     def __init__(self, checkpointed: bool) -> None:
         super().__init__()
         self.embed = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(nn.ModuleDict({"c_fc": Conv1D(32, 16), "c_proj": Conv1D(16, 32), "square": Conv1D(16, 16)}) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"c_fc": Conv1D(32, 16), "c_proj": Conv1D(16, 32), "square": Conv1D(16, 16)})
+            for _ in range(2)
+        )
         self.head = nn.Linear(16, 5)
         self.checkpointed = checkpointed
 
@@ -247,7 +256,9 @@ def test_a_weight_reused_three_times_under_autocast_does_not_overflow_its_sum() 
     scaler = GradientScaler(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler.backward(_fp16_loss(model, inputs))
-    assert {"shared", "shared#2", "shared#3"} <= {layer.name for layer in scaler.layers()}  # three decisions, one weight
+    assert {"shared", "shared#2", "shared#3"} <= {
+        layer.name for layer in scaler.layers()
+    }  # three decisions, one weight
     assert scaler.step(optimizer) and scaler.skipped_steps == 0
     assert all(torch.isfinite(g).all() for g in _grads(model).values())
 
@@ -369,7 +380,9 @@ class BertAttention(nn.Module):
         return x + self.out((probs @ v).transpose(1, 2).reshape(n, length, dim))
 
 
-def test_checkpointed_attention_keeps_its_layers_and_says_what_it_could_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpointed_attention_keeps_its_layers_and_says_what_it_could_not_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Under non-reentrant checkpointing, ``layers()`` names what the unchecked model names. GEMMs with a
     parameter operand decide as unchecked without their weight-gradient probes (their inputs are not
     readable); the attention ``bmm``s (both operands activations, unreadable) pass their scale through,

@@ -180,8 +180,12 @@ def _cpu_fp16_conv_backward_mismatch() -> float:
     torch.manual_seed(0)
     x, w = torch.randn(4, 8, 12, 12).half(), (torch.randn(8, 8, 3, 3) * 0.1).half()
     grad = torch.randn(4, 8, 12, 12).half()
-    real = torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False])[0]
-    once = torch.ops.aten.convolution_backward(grad.float(), x.float(), w.float(), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False])[0]
+    real = torch.ops.aten.convolution_backward(
+        grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False]
+    )[0]
+    once = torch.ops.aten.convolution_backward(
+        grad.float(), x.float(), w.float(), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False]
+    )[0]
     return (real.float() != once.half().float()).float().mean().item()
 
 
@@ -194,7 +198,9 @@ def test_emulated_fp16_matches_real_cpu_fp16(make) -> None:
     whose matmuls round once on every CPU, is compared everywhere.
     """
     if make is not _plain_mlp and (mismatch := _cpu_fp16_conv_backward_mismatch()) > 0.01:
-        pytest.skip(f"this CPU's fp16 convolution backward rounds partial sums ({mismatch:.0%} of ∇X differ from one rounding)")
+        pytest.skip(
+            f"this CPU's fp16 convolution backward rounds partial sums ({mismatch:.0%} of ∇X differ from one rounding)"
+        )
     results = {}
     meter = UnderflowMeter()
     for emulated in (False, True):
@@ -212,7 +218,12 @@ def test_emulated_fp16_matches_real_cpu_fp16(make) -> None:
         assert 0.8 <= emulated.error / real.error <= 1.25, (method, emulated.error, real.error)
         assert real.activations.keys() == emulated.activations.keys()
         for layer, fraction in real.activations.items():
-            assert abs(emulated.activations[layer] - fraction) <= 0.01, (method, layer, emulated.activations[layer], fraction)
+            assert abs(emulated.activations[layer] - fraction) <= 0.01, (
+                method,
+                layer,
+                emulated.activations[layer],
+                fraction,
+            )
 
 
 # --- per-tensor delayed scaling ---------------------------------------------------------------
@@ -264,7 +275,11 @@ def test_loss_scaling_methods_leave_true_gradients_and_skip_non_finite_steps() -
         assert stepped and method.skipped_steps == 0
         assert torch.equal(model.weight.data, reference.weight.data)
     for method in (NoScaling(), FixedLossScale(4), DynamicLossScale(), RecipeScaling()):
-        with emulate(torch.float16, E5M2, grad_scaling=method.grad_scaling) if method.grad_scaling else torch.autocast("cpu", enabled=False):
+        with (
+            emulate(torch.float16, E5M2, grad_scaling=method.grad_scaling)
+            if method.grad_scaling
+            else torch.autocast("cpu", enabled=False)
+        ):
             _, stepped = _step(method, float("inf"))
         assert not stepped and method.skipped_steps == 1, method
 

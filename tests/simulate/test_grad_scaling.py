@@ -130,8 +130,12 @@ def test_entering_mode_blocks_a_convolutions_gradient_along_each_gemms_reduction
     over_channels = MXBlockScaling().quantize(exact_y, E4M3, torch.float32, (1,))
     over_positions = MXBlockScaling().quantize(exact_y, E4M3, torch.float32, (0, 2, 3))
     assert not torch.equal(over_channels, over_positions)
-    assert torch.equal(x.grad, torch.nn.grad.conv2d_input(x.shape, w, over_channels, padding=1).to(torch.bfloat16).float())
-    assert torch.allclose(conv.weight.grad, torch.nn.grad.conv2d_weight(xb, w.shape, over_positions, padding=1).to(torch.bfloat16).float())
+    assert torch.equal(
+        x.grad, torch.nn.grad.conv2d_input(x.shape, w, over_channels, padding=1).to(torch.bfloat16).float()
+    )
+    assert torch.allclose(
+        conv.weight.grad, torch.nn.grad.conv2d_weight(xb, w.shape, over_positions, padding=1).to(torch.bfloat16).float()
+    )
 
 
 def test_output_mode_still_rounds_what_the_gemm_produces() -> None:

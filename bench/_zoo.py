@@ -38,9 +38,20 @@ FAMILIES = ("torchvision", "timm", "transformers", "rnn")
 # Default torchvision subset: one or two of each architecture family (residual, dense, depthwise,
 # squeeze-excite, grouped, channel shuffle, fire modules, transformers with and without windows).
 TORCHVISION_DEFAULT = (
-    "resnet18", "resnet50", "densenet121", "mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x0_5",
-    "squeezenet1_1", "regnet_y_400mf", "mnasnet0_5", "vgg11_bn", "convnext_tiny", "swin_t", "vit_b_32",
-)  # fmt: skip
+    "resnet18",
+    "resnet50",
+    "densenet121",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "shufflenet_v2_x0_5",
+    "squeezenet1_1",
+    "regnet_y_400mf",
+    "mnasnet0_5",
+    "vgg11_bn",
+    "convnext_tiny",
+    "swin_t",
+    "vit_b_32",
+)
 TIMM_DEFAULT = (
     "resnet18d",
     "vit_tiny_patch16_224",
@@ -59,7 +70,8 @@ _RNN_BATCH, _RNN_LENGTH, _RNN_INPUT, _RNN_HIDDEN = 8, 32, 32, 128
 
 @dataclass(frozen=True)
 class ZooModel:
-    """One model of the zoo: ``build(batch_scale, device)`` -> (network in training mode, its forward-and-loss closure)."""
+    """One model of the zoo: ``build(batch_scale, device)`` -> (network in training mode, its forward-and-loss
+    closure)."""
 
     family: str
     name: str
@@ -124,8 +136,16 @@ def _heads(width: int) -> int:
 def _bert(attention: str, width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=_VOCAB, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width), intermediate_size=4 * width,
-                        max_position_embeddings=_LENGTH, num_labels=_NUM_CLASSES, attn_implementation=attention)  # fmt: skip
+    config = BertConfig(
+        vocab_size=_VOCAB,
+        hidden_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=_heads(width),
+        intermediate_size=4 * width,
+        max_position_embeddings=_LENGTH,
+        num_labels=_NUM_CLASSES,
+        attn_implementation=attention,
+    )
     labels = torch.randint(0, _NUM_CLASSES, (_BATCH * scale,), generator=torch.Generator().manual_seed(1))
     return _language_model(
         BertForSequenceClassification(config), {"input_ids": _tokens(_BATCH * scale), "labels": labels}, device
@@ -163,17 +183,36 @@ def _t5(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, 
 def _hf_vit(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(image_size=32, patch_size=4, hidden_size=width, num_hidden_layers=2, num_attention_heads=_heads(width),
-                       intermediate_size=4 * width, num_labels=_NUM_CLASSES)  # fmt: skip
+    config = ViTConfig(
+        image_size=32,
+        patch_size=4,
+        hidden_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=_heads(width),
+        intermediate_size=4 * width,
+        num_labels=_NUM_CLASSES,
+    )
     return _classifier(ViTForImageClassification(config), 32, _BATCH * scale, device)
 
 
 def _whisper(width: int, scale: int, device: torch.device | str) -> tuple[nn.Module, Forward]:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    config = WhisperConfig(vocab_size=_VOCAB, d_model=width, encoder_layers=2, decoder_layers=2, encoder_attention_heads=_heads(width),
-                           decoder_attention_heads=_heads(width), encoder_ffn_dim=4 * width, decoder_ffn_dim=4 * width, num_mel_bins=16,
-                           max_source_positions=_LENGTH, max_target_positions=_LENGTH, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    config = WhisperConfig(
+        vocab_size=_VOCAB,
+        d_model=width,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=_heads(width),
+        decoder_attention_heads=_heads(width),
+        encoder_ffn_dim=4 * width,
+        decoder_ffn_dim=4 * width,
+        num_mel_bins=16,
+        max_source_positions=_LENGTH,
+        max_target_positions=_LENGTH,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     features = torch.randn(
         _BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0)
     )  # 2 × max_source_positions frames

@@ -98,7 +98,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} rounds, forward + backward\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} rounds, "
+        "forward + backward\n"
     )
     print("| workload | precision | seconds | vs fp32 | real fp16 / this |")
     print("|---|---|---|---|---|")
@@ -114,7 +115,8 @@ def main() -> None:
         median = {p: statistics.median(t) for p, t in times.items()}
         for precision, seconds in median.items():
             print(
-                f"| {name} | {precision} | {seconds:.4f} | {seconds / median['fp32']:.2f}x | {median['fp16 (real)'] / seconds:.1f}x |"
+                f"| {name} | {precision} | {seconds:.4f} | {seconds / median['fp32']:.2f}x "
+                f"| {median['fp16 (real)'] / seconds:.1f}x |"
             )
 
 

@@ -155,12 +155,15 @@ def main() -> None:
             rows += measure(name, model, loss_of, args.device, method)
     print(f"Host reads per iteration ({args.device}, batch {args.batch_size}, fp16 autocast)\n")
     print(
-        "| model | method | iteration | reads in backward | reads in step | CUDA syncs in backward | CUDA syncs in step |"
+        "| model | method | iteration | reads in backward | reads in step "
+        "| CUDA syncs in backward | CUDA syncs in step |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.model} | {r.method} | {r.iteration} | {r.backward_reads} | {r.step_reads} | {r.backward_syncs if r.backward_syncs is not None else '-'} | {r.step_syncs if r.step_syncs is not None else '-'} |"
+            f"| {r.model} | {r.method} | {r.iteration} | {r.backward_reads} | {r.step_reads} "
+            f"| {'-' if r.backward_syncs is None else r.backward_syncs} "
+            f"| {'-' if r.step_syncs is None else r.step_syncs} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -16,13 +16,13 @@ GS between updates, and GS between updates with ``recompute_weight_gradients=Fal
 On a CPU there are no allocator statistics: the bytes in use come from glibc's ``mallinfo2`` (Linux,
 glibc 2.33 or newer): mmap'ed blocks, and the main arena's in-use bytes, where the thread that runs the
 forward and the (CPU) backward allocates; whoever allocated them. They are sampled after every aten
-operation, so a peak inside one operation (a convolution's workspace) is missed, alike for every method. On CUDA they are
-``torch.cuda.memory_allocated`` and ``max_memory_allocated``.
+operation, so a peak inside one operation (a convolution's workspace) is missed, alike for every method. On CUDA
+they are ``torch.cuda.memory_allocated`` and ``max_memory_allocated``.
 
     python bench/memory.py                          # CPU, ResNet-50, batch 16 at 128x128, fp32
     python bench/memory.py --device cuda --autocast --batch-size 64 --image-size 224
     python bench/memory.py --device cuda --autocast --arch vit_b_16 --batch-size 32 --image-size 224
-    python bench/memory.py --json memory.json       # also the settings and rows as JSON (bench/docs_results.py reads it)
+    python bench/memory.py --json memory.json       # the settings and rows as JSON too (docs_results.py reads it)
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class DeviceMemory:
         self._mallinfo2.restype = _MallocInfo
 
     def in_use(self) -> int:
-        """Bytes allocated now: malloc's in-use bytes (heap and mmap'ed blocks) on a CPU, the caching allocator's on CUDA."""
+        """Bytes allocated now: malloc's in-use bytes (heap and mmap'ed blocks) on a CPU, the caching allocator's on
+        CUDA."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
         info = self._mallinfo2()
@@ -130,7 +131,8 @@ class Method:
 def iteration_memory(
     memory: DeviceMemory, model: torch.nn.Module, loss: Callable[[], torch.Tensor], method: Method
 ) -> dict[str, float]:
-    """One iteration of ``method`` on ``model`` (``loss()`` runs the forward), from ``zero_grad(set_to_none=True)``: MiB above its start."""
+    """One iteration of ``method`` on ``model`` (``loss()`` runs the forward), from ``zero_grad(set_to_none=True)``:
+    MiB above its start."""
     model.zero_grad(set_to_none=True)
     gc.collect()
     start = memory.in_use()
@@ -223,13 +225,15 @@ def main() -> None:
 
     where = f"{device.type}" + (", fp16 autocast" if args.autocast else ", fp32")
     print(
-        f"\n{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, {where}: MiB above the iteration's start\n"
+        f"\n{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, {where}: "
+        "MiB above the iteration's start\n"
     )
     print("| method | after forward MiB | peak MiB | held after backward MiB | peak / plain |")
     print("|---|---|---|---|---|")
     for row in rows:
         print(
-            f"| {row['method']} | {row['after forward MiB']:.1f} | {row['peak MiB']:.1f} | {row['held after backward MiB']:.1f} "
+            f"| {row['method']} | {row['after forward MiB']:.1f} | {row['peak MiB']:.1f} "
+            f"| {row['held after backward MiB']:.1f} "
             f"| {row['peak / plain']:.3f} |"
         )
     if args.json:

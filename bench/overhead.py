@@ -75,7 +75,8 @@ class _OpCounter(TorchDispatchMode):
 
 def grad_scaler_check(amp: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
     """What ``GradScaler`` does between the backward and the optimizer's step: its fused unscale and inf check,
-    and the read of the flags that ``step()`` synchronises on; ``update`` resets its per-optimizer state, as a step would."""
+    and the read of the flags that ``step()`` synchronises on; ``update`` resets its per-optimizer state, as a step
+    would."""
     amp.unscale_(optimizer)
     sum(flag.item() for flag in amp._found_inf_per_device(optimizer).values())
     amp.update()

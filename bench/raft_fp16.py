@@ -1,4 +1,5 @@
-"""torchvision raft_small trained under fp16 autocast: steps GS skips vs steps unscaled fp16 finds non-finite (issue 19).
+"""torchvision raft_small trained under fp16 autocast: steps GS skips vs steps unscaled fp16 finds non-finite (issue
+19).
 
 RAFT reuses its update block's convolutions across flow iterations; autocast casts each weight
 once, so their fp16 weight gradients meet in one sum. Random image pairs and flow targets,
@@ -41,7 +42,8 @@ def train(scaled: bool, batches: list[tuple[torch.Tensor, ...]], flow_updates: i
                 optimizer.step()
         finite.append(ok)
         print(
-            f"{'gs' if scaled else 'unscaled'} step {step}: {'ok' if ok else 'NON-FINITE / skipped'} ({time.time() - start:.0f} s)",
+            f"{'gs' if scaled else 'unscaled'} step {step}: {'ok' if ok else 'NON-FINITE / skipped'} "
+            f"({time.time() - start:.0f} s)",
             flush=True,
         )
     return finite

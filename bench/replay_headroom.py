@@ -47,8 +47,8 @@ def main() -> None:
             f"{name}: {len(changed)} of {len(without)} decisions lower with headroom {default}; "
             f"their mean underflow rate {mean([a for a, _ in finite]):.2e} -> {mean([b for _, b in finite]):.2e}, "
             f"worst {worst[0]:.2e} -> {worst[1]:.2e}; over all decisions "
-            f"{mean([l.underflow_rate for l in without.values() if math.isfinite(l.underflow_rate)]):.2e} -> "
-            f"{mean([l.underflow_rate for l in with_.values() if math.isfinite(l.underflow_rate)]):.2e}"
+            f"{mean([s.underflow_rate for s in without.values() if math.isfinite(s.underflow_rate)]):.2e} -> "
+            f"{mean([s.underflow_rate for s in with_.values() if math.isfinite(s.underflow_rate)]):.2e}"
         )
 
 

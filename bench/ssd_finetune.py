@@ -158,7 +158,8 @@ def _classifier(backbone: nn.Module) -> nn.Sequential:
 
 
 def pretrained_backbone(size: Size, cache: Path, weights_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """conv1_1..conv7 weights pretrained in fp32 on object crops (seed 0): loaded from ``weights_dir`` or trained and saved.
+    """conv1_1..conv7 weights pretrained in fp32 on object crops (seed 0): loaded from ``weights_dir`` or trained and
+    saved.
 
     Returns the state_dict of those layers (``conv4_3.*``, ``conv5_3.*``, ``fc.*`` keys of
     ``SSDVGG16.backbone``) and what the pretraining reached (crop accuracy, seconds).
@@ -224,7 +225,8 @@ class GroupedUnderflowMeter(UnderflowMeter):
         self._handle: Any = None
 
     def watch(self, model: nn.Module) -> None:
-        """Follow ``model`` (an ``SSDVGG16``): reset to "heads" at each forward, "backbone" once conv7's output gradient is complete."""
+        """Follow ``model`` (an ``SSDVGG16``): reset to "heads" at each forward, "backbone" once conv7's output
+        gradient is complete."""
         if self._handle is not None:
             self._handle.remove()
 
@@ -245,7 +247,8 @@ class GroupedUnderflowMeter(UnderflowMeter):
         self._groups.append(self.group)
 
     def collect_with_oracle(self) -> tuple[list[float], list[float]]:
-        """Per-tensor underflow (and the oracle's) since the last call; also appends each group's mean to :attr:`history`."""
+        """Per-tensor underflow (and the oracle's) since the last call; also appends each group's mean to
+        :attr:`history`."""
         groups, self._groups = self._groups, []
         fractions, oracle = super().collect_with_oracle()
         for group in GROUPS:
@@ -377,7 +380,8 @@ def table(runs: list[FinetuneRun]) -> str:
         label = method.label + (" (best fixed)" if best_fixed.get(method.grads) == key else "")
         firsts = [r.skipped_at[0] for r in rs if r.skipped_at]
         lines.append(
-            f"| {method.grads} | {label} | {_mean_std([r.metric for r in rs])} | {_mean_std([_final_loss(r) for r in rs])} "
+            f"| {method.grads} | {label} | {_mean_std([r.metric for r in rs])} "
+            f"| {_mean_std([_final_loss(r) for r in rs])} "
             f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} | {min(firsts) if firsts else '—'} "
             f"| {_percent([r.underflow for r in rs])} | "
             + " | ".join(_percent([r.underflow_groups.get(g) for r in rs]) for g in GROUPS)
@@ -489,7 +493,8 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
     meter = GroupedUnderflowMeter()
     task, pretrain = finetune_task(size, args.cache, args.weights, meter)
     print(
-        f"{size}; pretrained backbone: crop accuracy {pretrain['crop_accuracy']:.3f} on {pretrain['test_crops']} held-out crops "
+        f"{size}; pretrained backbone: crop accuracy {pretrain['crop_accuracy']:.3f} "
+        f"on {pretrain['test_crops']} held-out crops "
         f"({pretrain['seconds']:.0f} s when built)",
         flush=True,
     )
@@ -501,7 +506,8 @@ def main(argv: list[str] | None = None) -> list[FinetuneRun]:
             runs.append(run)
             groups = ", ".join(f"{g} {v:.4f}" for g, v in run.underflow_groups.items() if v is not None)
             print(
-                f"{key:16s} seed {seed}: mAP {run.metric:.4f}, loss {_final_loss(run):.3f}, skipped {run.skipped_steps}, "
+                f"{key:16s} seed {seed}: mAP {run.metric:.4f}, loss {_final_loss(run):.3f}, "
+                f"skipped {run.skipped_steps}, "
                 f"underflow {groups or '-'}, {run.seconds:.0f} s",
                 flush=True,
             )

@@ -22,9 +22,11 @@ ratio per family.
     python bench/update_cost.py --models resnet18 gpt2 --dump-layers layers.json
     python bench/update_cost.py --rounds 1 --json zoo.json                # also the settings and rows as JSON
     python bench/update_cost.py --batch-scale 8                          # 8x the batches: fixed costs weigh less
-    python bench/update_cost.py --families torchvision timm --image-size 224 --batch-scale 4 --threads 2   # ImageNet's images, batch 8
-    python bench/update_cost.py --families transformers --transformer-width 768 --batch-scale 4           # BERT-base's width, batch 8
-    python bench/update_cost.py --device cuda --families torchvision transformers --image-size 224 --transformer-width 768 --batch-scale 16
+    # ImageNet's images, batch 8; BERT-base's width, batch 8; both on a GPU:
+    python bench/update_cost.py --families torchvision timm --image-size 224 --batch-scale 4 --threads 2
+    python bench/update_cost.py --families transformers --transformer-width 768 --batch-scale 4
+    python bench/update_cost.py --device cuda --families torchvision transformers --image-size 224 \
+        --transformer-width 768 --batch-scale 16
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def measure(
 def report(results: list[Measurement]) -> str:
     """The per-model table and the per-family medians, as Markdown."""
     lines = [
-        "| family | model | plain ms | update ms | replay ms | update / plain | replay / plain | decisions | exact (update, replay) |",
+        "| family | model | plain ms | update ms | replay ms | update / plain | replay / plain | decisions "
+        "| exact (update, replay) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -175,7 +178,8 @@ def report(results: list[Measurement]) -> str:
         median = lambda method: f"{statistics.median(r.ratio(method) for r in ok):.2f}" if ok else "-"  # noqa: E731
         exact = sum(r.exact_update and r.exact_replay for r in ok)
         lines.append(
-            f"| {family} | {len(rows)} | {median('update')} | {median('replay')} | {exact} of {len(ok)} | {len(rows) - len(ok)} |"
+            f"| {family} | {len(rows)} | {median('update')} | {median('replay')} | {exact} of {len(ok)} "
+            f"| {len(rows) - len(ok)} |"
         )
     return "\n".join(lines)
 
@@ -210,7 +214,8 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
         parser.error(f"--image-size must be at least 32 (the zoo's smallest), got {args.image_size}")
     if args.transformer_width < 64 or args.transformer_width % 64:
         parser.error(
-            f"--transformer-width must be a positive multiple of 64 (heads of up to 64 features), got {args.transformer_width}"
+            f"--transformer-width must be a positive multiple of 64 (heads of up to 64 features), "
+            f"got {args.transformer_width}"
         )
 
     torch.set_num_threads(args.threads)
@@ -238,7 +243,8 @@ def main(argv: list[str] | None = None) -> list[Measurement]:
         else f"{args.device} ({torch.cuda.get_device_name(args.device)})"
     )
     print(
-        f"\nfp32, {where}, batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; torch {torch.__version__}\n"
+        f"\nfp32, {where}, batch x{args.batch_scale}{images}, median of {args.rounds} interleaved rounds; "
+        f"torch {torch.__version__}\n"
     )
     print(report(results))
     if args.dump_layers:

@@ -18,7 +18,8 @@ from lightning.pytorch import LightningModule
 
 @functools.cache
 def on_package(cls: type, package_name: str) -> type:
-    """``cls`` (a ``lightning.pytorch.LightningModule`` subclass, single inheritance) on ``package_name``'s LightningModule."""
+    """``cls`` (a ``lightning.pytorch.LightningModule`` subclass, single inheritance) on ``package_name``'s
+    LightningModule."""
     if issubclass(cls, import_module(package_name).LightningModule):
         return cls
     (parent,) = cls.__bases__

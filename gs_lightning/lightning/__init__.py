@@ -1,4 +1,5 @@
-"""Lightning Trainer integration: fp16 precision plugins (``FSDP...`` ones for ``FSDPStrategy``) and the scale-logging callback.
+"""Lightning Trainer integration: fp16 precision plugins (``FSDP...`` ones for ``FSDPStrategy``) and the scale-logging
+callback.
 
 Works with ``lightning.pytorch`` and ``pytorch_lightning`` (whichever is installed, or both).
 """

@@ -40,7 +40,8 @@ class AttachedModels:
 
     @property
     def module_names(self) -> dict[int, str]:
-        """``id(parameter)`` -> qualified name of the module owning it (layer names), FSDP2's unsharded parameters included."""
+        """``id(parameter)`` -> qualified name of the module owning it (layer names), FSDP2's unsharded parameters
+        included."""
         if not self._fsdp_params:
             return self._module_names
         return {**self._module_names, **{id(param): names.module for names, param in self._unsharded()}}
@@ -110,8 +111,8 @@ class AttachedModels:
                 name = getattr(hook, "__qualname__", "")
                 if "fp16_compress" in name:
                     raise ValueError(
-                        f"GradientScaler: DDP's communication hook {name} all-reduces gradients in fp16, and they arrive "
-                        "there unscaled (true values), so those below fp16's range (6e-8) become 0. Register "
+                        f"GradientScaler: DDP's communication hook {name} all-reduces gradients in fp16, and they "
+                        "arrive there unscaled (true values), so those below fp16's range (6e-8) become 0. Register "
                         "bf16_compress_hook (bf16 has fp32's range) or no compression hook."
                     )
 

@@ -104,7 +104,7 @@ class ScaledGraph:
         self.traced = True  # whether every trace of the backward found the structure the points refer to
 
     def install(self, outputs: tuple, scales: torch.Tensor) -> tuple:
-        """Runs inside the traced forward: hook the multiplies onto the autograd graph AOTAutograd will differentiate."""
+        """Runs inside the traced forward: hooks the multiplies onto the graph AOTAutograd will differentiate."""
         roots = _region_roots(_flat_tensors(outputs))
         if not roots or not torch.is_grad_enabled():
             return outputs
@@ -125,7 +125,8 @@ class ScaledGraph:
 
 
 def _as_eager(names: list[str], edges: list) -> tuple[list[str], list]:
-    """A region's structure as eager would record it: names as in :data:`_EAGER_NAME`, no trailing edges without gradient."""
+    """A region's structure as eager would record it: names as in :data:`_EAGER_NAME`, no trailing edges without
+    gradient."""
     trimmed = []
     for out in edges:
         out = list(out)
@@ -237,7 +238,8 @@ class ScalingBackend:
 
 
 def _with_scale_vector(gm: torch.fx.GraphModule, scaled: ScaledGraph, example: torch.Tensor) -> torch.fx.GraphModule:
-    """A copy of dynamo's graph (dynamo keeps reading its own) taking the scale vector last and installing its multiplies."""
+    """A copy of dynamo's graph (dynamo keeps reading its own) taking the scale vector last and installing its
+    multiplies."""
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     outputs = graph.graph_copy(gm.graph, copies)
@@ -496,8 +498,8 @@ class CompiledModule:
             return
         if self.graph_calls > 1:
             self.run_eagerly(
-                f"it ran {self.graph_calls} compiled graphs in one iteration (graph breaks, or more than one call), and "
-                "one scale vector is matched to one graph"
+                f"it ran {self.graph_calls} compiled graphs in one iteration (graph breaks, or more than one call), "
+                "and one scale vector is matched to one graph"
             )
             return
         inputs, outputs = self._eager_call

@@ -1,4 +1,5 @@
-"""The statistics an update's decisions take of a gradient, on its device; what the step reads of them, in one synchronisation."""
+"""The statistics an update's decisions take of a gradient, on its device; what the step reads of them, in one
+synchronisation."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ FiniteFlags = list[tuple[str, tuple[torch.Tensor, ...]]]  # (layer, values all f
 
 
 def first_non_finite(flags: FiniteFlags, values: list[float]) -> str | None:
-    """The first layer of ``flags`` (in backward order) whose values, as read (``values``, in order), are not all finite."""
+    """The first layer of ``flags`` (in backward order) whose values, as read (``values``, in order), are not all
+    finite."""
     position = 0
     for name, flag in flags:
         if not all(map(math.isfinite, values[position : position + len(flag)])):
@@ -65,5 +67,6 @@ def first_non_finite(flags: FiniteFlags, values: list[float]) -> str | None:
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:
-    """The values of 0-dim ``tensors`` (any devices, any dtypes), in one synchronisation; fp64 keeps integer counts exact."""
+    """The values of 0-dim ``tensors`` (any devices, any dtypes), in one synchronisation; fp64 keeps integer counts
+    exact."""
     return torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist() if tensors else []

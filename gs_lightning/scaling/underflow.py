@@ -166,7 +166,8 @@ def _checked_length(accumulation_length: float) -> float:
 def cast_min_log2_scale(
     log_mean: float | torch.Tensor, log_std: float | torch.Tensor, lambda_min: float, target: float
 ) -> float | torch.Tensor:
-    """Theorem 2 solved for α: ln α ≥ ln λmin − μ − √2 σ erfinv(2γ' − 1), returned as log2 α (a tensor, unread, for tensors)."""
+    """Theorem 2 solved for α: ln α ≥ ln λmin − μ − √2 σ erfinv(2γ' − 1), returned as log2 α (a tensor, unread, for
+    tensors)."""
     ln_alpha = math.log(lambda_min) - log_mean - _SQRT2 * log_std * erfinv(2.0 * target - 1.0)
     return ln_alpha / math.log(2.0)
 
@@ -210,7 +211,7 @@ def sufficient_log2_scale(rounded_up: torch.Tensor, is_finite: torch.Tensor) -> 
 
 
 def highest_below(upper: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The largest integer exponent strictly below the overflow bound ``upper``, a 0-dim float64 tensor on ``device``."""
+    """The largest integer exponent strictly below the overflow bound ``upper`` (0-dim, float64, on ``device``)."""
     return torch.ceil(as_float64(upper, device)) - 1.0
 
 
@@ -343,7 +344,8 @@ class ExactSample:
 def underflow_counts(
     samples: Sequence[ExactSample], log2_scale: int | torch.Tensor, lambda_min: float
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:meth:`ExactSample.underflow_count` of each of ``samples`` at one scale (a decision's probes), its threshold made once."""
+    """:meth:`ExactSample.underflow_count` of each of ``samples`` at one scale (a decision's probes), its threshold
+    made once."""
     # |v|·2^k < λ ⟺ |v| < λ·2^-k: exact, and no product can overflow or underflow first. A 0-dim
     # threshold is compared in the values' fp32, as a Python scalar would be.
     threshold = lambda_min * (torch.exp2(-log2_scale) if isinstance(log2_scale, torch.Tensor) else 2.0**-log2_scale)
@@ -422,7 +424,8 @@ def _log_binomial_cdf(n: torch.Tensor, at: torch.Tensor, most: int, rate: float)
 
 
 def confident_rank(n: int, rate: float, risk: float) -> int:
-    """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none), as :func:`rank_breakpoints` give it."""
+    """The largest k with P(Binomial(n, rate) ≤ k − 1) ≤ risk (0 if there is none), as :func:`rank_breakpoints` give
+    it."""
     breakpoints = rank_breakpoints(math.floor(rate * n) + 1, rate, risk, torch.device("cpu"))
     return int(torch.searchsorted(breakpoints, torch.tensor(n), right=True))
 

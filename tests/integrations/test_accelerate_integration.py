@@ -152,7 +152,8 @@ def test_injected_infs_skip_the_same_steps_as_gradscaler(inject: str, install: s
 def test_replaces_the_gradscaler_prepare_gave_the_optimizer() -> None:
     """On a GPU, Accelerate makes a GradScaler and ``prepare`` hands it to each optimizer; installed after, the
     GradientScaler must replace it there too (setting ``accelerator.scaler`` alone fails at the next step with
-    ``Attempted step but _scale is None``). Here a GradScaler installed before ``prepare`` stands in for Accelerate's."""
+    ``Attempted step but _scale is None``). Here a GradScaler installed before ``prepare`` stands in for
+    Accelerate's."""
     model = make_model()
     accelerator = Accelerator(cpu=True, mixed_precision="fp16")
     install_gradient_scaler(accelerator, torch.amp.GradScaler("cpu"))

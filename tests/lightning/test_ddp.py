@@ -5,8 +5,8 @@ its own), so after a few steps both ranks hold the same weights, and those match
 that sees the whole global batch. A step that overflows on one rank only is skipped on both, since
 the all-reduce carries the inf to every rank.
 
-Run as a script (``PYTHONPATH=tests python tests/lightning/test_ddp.py PACKAGE STRATEGY OUT_DIR``) this file is also the training
-program of the ``strategy="ddp"`` test: Lightning launches rank 1 by running it again.
+Run as a script (``PYTHONPATH=tests python tests/lightning/test_ddp.py PACKAGE STRATEGY OUT_DIR``) this file is also
+the training program of the ``strategy="ddp"`` test: Lightning launches rank 1 by running it again.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ def test_train_py_shards_the_demo_over_two_cpu_ranks_and_trains(tmp_path: Path) 
     ids=["resnet18", "segnet", "ssd300"],
 )
 def test_each_recipes_network_is_sharded_by_its_blocks(model: Any, units: list[str]) -> None:
-    """Residual stages, encoder/decoder stages, backbone and head; lone layers (stem, fc, classifier) stay with the root."""
+    """Residual stages, encoder/decoder stages, backbone and head; lone layers (stem, fc, classifier) stay with the
+    root."""
     network = model()
     names = {module: name for name, module in network.named_modules()}
     assert [names[unit] for unit in shard_units(network)] == units
@@ -211,7 +212,8 @@ def test_the_app_refuses_a_tensor_parallel_mesh_in_one_line_before_starting_rank
         cfg = compose(config_name="config", overrides=[*overrides, *DEMO])
     with pytest.raises(
         SystemExit,
-        match=r"^error: trainer.strategy.tensor_parallel_size=2: .*expected 1, with trainer.strategy.data_parallel_size",
+        match=r"^error: trainer.strategy.tensor_parallel_size=2: .*expected 1, "
+        r"with trainer.strategy.data_parallel_size",
     ):
         run(cfg)
     assert not (tmp_path / "cache").exists()  # refused before the data was generated

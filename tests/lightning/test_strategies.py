@@ -111,7 +111,8 @@ def test_other_strategies_pass_convert_module() -> None:
 
 
 class ShardedClassifier(Classifier):
-    """Three Linear layers, each its own FSDP2 unit in ``configure_model``; saves its weights and scaler counters when training ends."""
+    """Three Linear layers, each its own FSDP2 unit in ``configure_model``; saves its weights and scaler counters when
+    training ends."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__(hidden_layers=1)

@@ -32,7 +32,7 @@ def make_model(seed: int = 0) -> nn.Module:
 def recipe_loop(
     net, opt, scaler, use_amp: bool, steps: int, inf_steps=(), max_norm: float = 0.5
 ) -> list[list[torch.Tensor]]:
-    """The recipe's training loop; returns the gradients the optimizer saw at each step (after unscale_ and clipping)."""
+    """The recipe's training loop: the gradients the optimizer saw at each step (after unscale_ and clipping)."""
     seen = []
     for step, (input, target) in zip(range(steps), loader()):
         with torch.autocast(device_type="cpu", dtype=torch.float16, enabled=use_amp):
@@ -133,7 +133,7 @@ def test_misuse_raises_as_gradscaler_does(name: str) -> None:
 
 
 def test_checkpoint_with_the_scaler_state_resumes_exactly(tmp_path) -> None:
-    """The recipe's checkpoint ({"model", "optimizer", "scaler"} state dicts): 3 steps, save, 4 more equal 7 straight."""
+    """The recipe's checkpoint ({"model", "optimizer", "scaler"} state dicts): 3 steps, save, 4 more = 7 straight."""
     net = make_model()
     opt, scaler = sgd(net), GradientScaler(net, update_interval=3)
     recipe_loop(net, opt, scaler, use_amp=True, steps=3, inf_steps=(1,))

@@ -52,7 +52,8 @@ def test_edge_shift_brings_leaves_to_their_target_and_branches_to_their_scale() 
 def _plain_grads_then_an_update(
     model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]
 ) -> tuple[list[torch.Tensor], GradientScaler]:
-    """``model``'s gradients from a plain backward, and a scaler that has run its update on the same loss (the next backwards replay)."""
+    """``model``'s gradients from a plain backward, and a scaler that has run its update on the same loss (the next
+    backwards replay)."""
     loss_of(model).backward()
     reference = [p.grad.clone() for p in model.parameters()]
     scaler = GradientScaler(model, update_interval=100)

@@ -1,4 +1,5 @@
-"""GradientScaler's own work shows in the PyTorch profiler's trace, layer by layer; without a profiler it costs nothing."""
+"""GradientScaler's own work shows in the PyTorch profiler's trace, layer by layer; without a profiler it costs
+nothing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Weight gradients that overflow between updates are recomputed in fp32, not skipped (``gs_lightning.scaling.recompute``).
+"""Weight gradients that overflow between updates are recomputed in fp32, not skipped
+(``gs_lightning.scaling.recompute``).
 
 The hard batch spikes only a weight gradient: the first layer's inputs grow 2^12 on channels its
 weights ignore (zero columns), so the forward, the loss and every gradient sent on are those of

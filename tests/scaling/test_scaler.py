@@ -494,10 +494,11 @@ def weight_probes_only_where(monkeypatch: pytest.MonkeyPatch, readable: Callable
     """Let only the layers ``readable`` accepts (by name) probe their weight gradients, as non-reentrant
     checkpointing leaves them: a checkpointed layer's input cannot be read."""
     weight_samples = NodeDecisions._weight_samples
-    monkeypatch.setattr(
-        NodeDecisions, "_weight_samples",
-        lambda self, i, grad, elements=None: weight_samples(self, i, grad, elements) if readable(self.analysis.layer_names[i]) else [],
-    )  # fmt: skip
+
+    def readable_samples(self, i, grad, elements=None):
+        return weight_samples(self, i, grad, elements) if readable(self.analysis.layer_names[i]) else []
+
+    monkeypatch.setattr(NodeDecisions, "_weight_samples", readable_samples)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

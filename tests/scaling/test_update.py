@@ -113,7 +113,10 @@ def test_gemm_scale_meets_target_in_fp16() -> None:
     grad, scaler = _capture_gemm_output(1e-9, 0.05, "normal")
     threshold = scaler.lambda_min_value  # fp16 values below the smallest normal are subnormal
     assert grad.dtype == torch.float16 and scaler.scales()["Linear"] > 1.0
-    below = lambda g: float((g.abs() < threshold).double().mean())
+
+    def below(g: torch.Tensor) -> float:
+        return float((g.abs() < threshold).double().mean())
+
     assert below(grad.float()) <= TARGET
     assert below(grad.float() / 2) > TARGET  # half the scale misses the target
 

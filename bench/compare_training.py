@@ -5,11 +5,13 @@ number of steps, under CPU emulation of fp16 (and of fp8 gradients): ``gs_lightn
 Methods, in three settings:
 
 * fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
-  scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS;
+  scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS, GS with the paper's
+  Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper);
 * fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
   GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
   dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor
-  scaling (TE's ``Float8CurrentScaling``, torchao), each alone and under a dynamic loss scale, GS;
+  scaling (TE's ``Float8CurrentScaling``, torchao), each alone and under a dynamic loss scale, GS, GS
+  with the paper's Algorithm 1;
   e4m3fn with MX block scaling (MXFP8) alone and under a dynamic loss scale; optionally GS in e4m3fn;
 * fp8 gradients on the hardware path (bf16 between GEMMs, the gradient *entering* each backward
   GEMM cast to fp8 from its bf16 value, as TE and torchao run fp8 training): e5m2 without scaling,
@@ -25,8 +27,9 @@ and wall time per run; it plots the training-loss curves (mean over seeds) per t
 
     python bench/compare_training.py --quick            # every method, tiny, < 3 min
     python bench/compare_training.py --tasks segnet --json segnet.json   # one task's runs
-    python bench/compare_training.py --tasks deep --methods e5m2-gs --seeds 1 --underflow-by-tensor 3   # which tensors underflow
+    python bench/compare_training.py --tasks deep --methods e5m2-gs --seeds 1 --underflow-by-tensor 3   # worst tensors
     python bench/compare_training.py --report segnet.json resnet.json ssd.json --plots docs
+    python bench/compare_training.py --tasks segnet --methods fp16-gs-paper --merge segnet.json   # add rows to a table
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from gs_lightning.simulate.methods import (
 )
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
+# GS with ScalingRecipe.paper(): Algorithm 1 as published, none of the rules beyond the paper (issue 52)
+PAPER_LABEL = "GS, paper's Algorithm 1"
 _FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}
 
 
@@ -102,6 +107,7 @@ def _methods() -> dict[str, Method]:
         Method("fp16-fixed4096", "fp16", "fixed loss scale 4096", f16, True, None, lambda m: FixedLossScale(4096)),
         Method("fp16-dynamic", "fp16", "dynamic loss scale", f16, True, None, lambda m: DynamicLossScale()),
         Method("fp16-gs", "fp16", "GS", f16, True, None, lambda m: GradientScaler(m)),
+        Method("fp16-gs-paper", "fp16", PAPER_LABEL, f16, True, None, lambda m: GradientScaler(m, "paper")),
         Method("e5m2-none", "e5m2", "no scaling", f16, True, E5M2, lambda m: NoScaling()),
         Method("e5m2-fixed4096", "e5m2", "fixed loss scale 4096", f16, True, E5M2, lambda m: FixedLossScale(4096)),
         Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
@@ -134,6 +140,7 @@ def _methods() -> dict[str, Method]:
             lambda m: DynamicLossScale(grad_scaling=CurrentScaling()),
         ),
         Method("e5m2-gs", "e5m2", "GS", f16, True, E5M2, lambda m: GradientScaler(m, dtype=E5M2)),
+        Method("e5m2-gs-paper", "e5m2", PAPER_LABEL, f16, True, E5M2, lambda m: GradientScaler(m, "paper", dtype=E5M2)),
         Method(
             "e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())
         ),
@@ -294,8 +301,9 @@ class TensorUnderflowMeter(UnderflowMeter):
         """The ``count`` tensors that underflowed most, on average: ``#place kind shape percent``, most first."""
         means = {place: statistics.fmean(values) for place, values in self.totals.items()}
         entering = "∇Y" if self.grad_rounding == "entering" else "∇X"
+        kind = {place: "∇W" if shape in self.parameter_shapes else entering for place, shape in self.shapes.items()}
         return "; ".join(
-            f"#{place} {'∇W' if self.shapes[place] in self.parameter_shapes else entering} {tuple(self.shapes[place])} {100 * mean:.2f}%"
+            f"#{place} {kind[place]} {tuple(self.shapes[place])} {100 * mean:.2f}%"
             for place, mean in sorted(means.items(), key=lambda item: -item[1])[:count]
         )
 
@@ -345,7 +353,8 @@ def gradient_magnitudes(task: Task, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def gradient_table(task_name: str, rows: list[dict[str, Any]], seed: int = 0) -> str:
-    """:func:`gradient_magnitudes` (of seed ``seed``) as printed: a header line, a Markdown table, the spread in binades."""
+    """:func:`gradient_magnitudes` (of seed ``seed``) as printed: a header line, a Markdown table, the spread in
+    binades."""
     lines = [
         f"{GRADIENT_HEADER} of `{task_name}` (log2 |g|, one fp32 backward at seed {seed}'s initialisation, "
         "medians over nonzero entries):",
@@ -522,7 +531,19 @@ def main(argv: list[str] | None = None) -> list[Run]:
         help="first print each task's per-layer gradient magnitudes (one fp32 backward at initialisation)",
     )
     add_run_arguments(parser, cache="gs_lightning_compare")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        metavar="INTO",
+        help="add these runs to INTO (an earlier --json file, same steps), replacing any of the same task, method "
+        "and seed; written after each run; the table is INTO's",
+    )
     args = parser.parse_args(argv)
+    if args.merge is not None and args.json is not None:
+        parser.error("--merge INTO writes INTO; give it or --json, not both")
+    if args.merge is not None and not args.merge.exists():
+        parser.error(f"--merge {args.merge}: no such file; expected an earlier run's --json file")
     torch.set_num_threads(args.threads)
     if args.report is not None:
         runs = [Run(**run) for path in args.report for run in json.loads(path.read_text())]
@@ -533,6 +554,13 @@ def main(argv: list[str] | None = None) -> list[Run]:
     if seeds < 1 or steps < 1:
         parser.error(f"--seeds and --steps must be positive, got {seeds} and {steps}")
 
+    earlier = [Run(**run) for run in json.loads(args.merge.read_text())] if args.merge is not None else []
+    for run in earlier:
+        if run.task in args.tasks and len(run.losses) != steps:
+            parser.error(
+                f"--merge {args.merge}: its {run.task} runs have {len(run.losses)} steps, these {steps}; "
+                "expected the same --steps (and --quick) as the table's"
+            )
     tasks = [BUILDERS[name](args.cache, args.quick) for name in args.tasks]
     if args.gradient_magnitudes:
         for task in tasks:
@@ -550,21 +578,40 @@ def main(argv: list[str] | None = None) -> list[Run]:
                 runs.append(run)
                 print(
                     f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
-                    f"skipped {run.skipped_steps}, underflow {run.underflow if run.underflow is not None else float('nan'):.4f}"
-                    f" (oracle {run.oracle_underflow if run.oracle_underflow is not None else float('nan'):.4f}), "
+                    f"skipped {run.skipped_steps}, underflow {_or_nan(run.underflow):.4f}"
+                    f" (oracle {_or_nan(run.oracle_underflow):.4f}), "
                     f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
                     f"{run.seconds:.1f} s",
                     flush=True,
                 )
                 if meter is not None:
                     print(
-                        f"  most underflow (place in the backward's casts, mean over steps): {meter.worst(args.underflow_by_tensor)}",
+                        "  most underflow (place in the backward's casts, mean over steps): "
+                        + meter.worst(args.underflow_by_tensor),
                         flush=True,
                     )
-                if args.json is not None:  # after every run, so that an interrupted table keeps what it has
+                # after every run, so that an interrupted table keeps what it has
+                if args.json is not None:
                     args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+                if args.merge is not None:
+                    args.merge.write_text(json.dumps([asdict(r) for r in merged(earlier, runs)], indent=1))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
+    if args.merge is not None:
+        print(f"merged into {args.merge}:\n")
+        return report(merged(earlier, runs), args.plots, table, plot)
     return report(runs, args.plots, table, plot)
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def merged(earlier: list[Run], runs: list[Run]) -> list[Run]:
+    """``earlier`` with ``runs`` in: a run of the same task, method and seed takes the earlier one's place, the
+    others follow."""
+    new = {(r.task, r.method, r.seed): r for r in runs}
+    kept = [new.pop((r.task, r.method, r.seed), r) for r in earlier]
+    return kept + list(new.values())
 
 
 R = TypeVar("R", bound=Run)

@@ -8,6 +8,8 @@ and keeps the run's console output (``NAME.out.txt``):
     python bench/docs_results.py record overhead --title "ResNet-50, one CPU thread" -- \\
         python bench/overhead.py --rounds 41 --json docs/results/data/overhead.json
     python bench/docs_results.py record demo --title "python train.py" -- python train.py
+    python bench/docs_results.py record training --add -- \\
+        python bench/compare_training.py --methods fp16-gs-paper --merge docs/results/data/training.json
 
 Then write the pages (``docs/results/*.md``, the training curves, and the table between the
 README's ``results`` markers), from every recorded run, with no hand-edited number:
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
 import math
 import os
@@ -99,12 +102,33 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
-def record(name: str, title: str, command: list[str]) -> int:
-    """Run ``command`` from the repository root, keep its output, and write ``NAME.run.json``."""
+def versions() -> dict[str, str]:
+    """The versions a run's numbers depend on besides the commit: Python, torch and Lightning."""
+    installed = {}
+    for package in ("torch", "lightning"):
+        try:
+            installed[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            installed[package] = "not installed"
+    return {"python": platform.python_version(), **installed}
+
+
+def record(name: str, title: str | None, command: list[str], add: bool = False) -> int:
+    """Run ``command`` from the repository root, keep its output, and write ``NAME.run.json``.
+
+    With ``add``, the command adds rows to a recorded run's JSON (e.g. ``compare_training.py --merge``):
+    ``NAME.run.json`` keeps its provenance and lists this command's under ``additions``, and its output is
+    appended to ``NAME.out.txt``.
+    """
     if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
         raise SystemExit(f"error: run name {name!r}: expected lowercase letters, digits, '-' and '_'")
     if not command:
         raise SystemExit("error: record needs the command to run after '--'")
+    run_json = DATA / f"{name}.run.json"
+    if add and not run_json.exists():
+        raise SystemExit(f"error: record --add {name}: no {run_json} to add to; record it first")
+    if not add and not title:
+        raise SystemExit("error: record needs --title (the section's title on its results page)")
     DATA.mkdir(parents=True, exist_ok=True)
     provenance = {
         "title": title,
@@ -113,10 +137,14 @@ def record(name: str, title: str, command: list[str]) -> int:
         "uncommitted": _git("status", "--porcelain", "--", *CODE_PATHS).splitlines(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
-        "python": platform.python_version(),
+        **versions(),
     }
+    if add:
+        del provenance["title"]
     start = time.perf_counter()
-    with open(DATA / f"{name}.out.txt", "w") as out:
+    with open(DATA / f"{name}.out.txt", "a" if add else "w") as out:
+        if add:
+            out.write(f"\n$ {provenance['command']}\n")
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert process.stdout is not None
         for line in process.stdout:
@@ -128,8 +156,12 @@ def record(name: str, title: str, command: list[str]) -> int:
     if returncode != 0:
         print(f"error: the command exited with {returncode}; {name}.run.json not written", file=sys.stderr)
         return returncode
-    (DATA / f"{name}.run.json").write_text(json.dumps(provenance, indent=1) + "\n")
-    print(f"recorded {DATA / name}.run.json ({provenance['seconds']:.0f} s); now: {GENERATOR}")
+    if add:
+        recorded = json.loads(run_json.read_text())
+        recorded["additions"] = [*recorded.get("additions", []), provenance]
+        provenance = recorded
+    run_json.write_text(json.dumps(provenance, indent=1) + "\n")
+    print(f"recorded {run_json} ({time.perf_counter() - start:.0f} s); now: {GENERATOR}")
     return 0
 
 
@@ -774,10 +806,16 @@ def main(argv: list[str] | None = None) -> int:
             prog="docs_results.py record", description="run a bench and record where its numbers come from"
         )
         parser.add_argument("name", help="the run's name: its files are docs/results/data/NAME.*")
-        parser.add_argument("--title", required=True, help="the section's title on its results page")
+        parser.add_argument("--title", help="the section's title on its results page (required unless --add)")
+        parser.add_argument(
+            "--add",
+            action="store_true",
+            help="the command adds rows to the recorded run NAME (e.g. compare_training.py --merge): keep its "
+            "provenance and list this command's beside it",
+        )
         split = argv.index("--") if "--" in argv else len(argv)
         args = parser.parse_args(argv[1:split])
-        return record(args.name, args.title, argv[split + 1 :])
+        return record(args.name, args.title, argv[split + 1 :], add=args.add)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated page is out of date")
     args = parser.parse_args(argv)

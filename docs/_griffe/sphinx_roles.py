@@ -1,0 +1,263 @@
+"""Griffe extension: render the package's Sphinx (reST) docstring markup in mkdocstrings.
+
+The docstrings are Google style but cross-reference with Sphinx roles (:class:`~a.b.C`, :meth:`step`, ...) and
+introduce code examples with reST's ``::``. Markdown shows both raw, so once the package is loaded this rewrites every
+docstring of it:
+
+* ``:role:`target``` (``class``, ``mod``, ``meth``, ``func``, ``attr``, ``data``, ``obj``, ``exc``, optionally
+  ``py:``-prefixed) becomes an optional autorefs cross-reference to the target's fully qualified path, titled as
+  Sphinx titles it (``~`` keeps the last name, ``title <target>`` the title, ``()`` after functions and methods).
+  Relative targets (``step``, ``ScalingRecipe.paper``) are looked up the way Sphinx does: the class, its bases, the
+  enclosing module and packages, then a name unique in the package. "Optional" is autorefs' own mechanism for
+  annotations: the reference is a link wherever the target is rendered on the site, and plain code where it is not,
+  so ``mkdocs build --strict`` never fails on a reference to something the API pages leave out. A target that is
+  neither in the package nor dotted (so cannot be anything rendered) becomes plain inline code.
+* A class documented by ``__doc__ = Other.__doc__`` (invisible to static analysis) gets ``Other``'s docstring.
+* A paragraph ending in ``::`` followed by an indented block becomes the paragraph ending in ``:`` (or nothing, for
+  a lone or space-separated ``::``) and a fenced code block, highlighted as Python when the block parses as Python.
+
+Load it with ``extensions: [docs/_griffe/sphinx_roles.py]`` in mkdocstrings-python's options.
+"""
+
+from __future__ import annotations
+
+import ast
+import html
+import re
+import textwrap
+from collections import defaultdict
+from typing import Any
+
+import griffe
+
+__all__ = ["SphinxRoles", "convert_docstring", "Resolver"]
+
+ROLES = ("class", "mod", "meth", "func", "attr", "data", "obj", "exc")
+_CALLABLE_ROLES = {"meth", "func"}
+# A role may wrap over a line break inside its backticks (the source docstrings are hard-wrapped).
+ROLE_RE = re.compile(r":(?:py:)?(?P<role>" + "|".join(ROLES) + r"):`(?P<body>[^`]+)`")
+_EXPLICIT_TITLE_RE = re.compile(r"^(?P<title>.*?)\s*<(?P<target>[^<>]+)>$", re.DOTALL)
+_FENCE_RE = re.compile(r"^\s*(```|~~~)")
+
+
+class Resolver:
+    """Finds the object a Sphinx cross-reference target names, seen from one docstring's owner."""
+
+    def __init__(self, package: griffe.Module) -> None:
+        self.package = package
+        # Suffix ("paper", "ScalingRecipe.paper") -> the objects of the package whose path ends with it, for
+        # targets named neither in scope nor absolutely (Sphinx's fallback search). Aliases are left out: an
+        # alias names an object defined elsewhere in the package (found there) or outside it (not ours to link).
+        self._by_suffix: dict[str, list[griffe.Object]] = defaultdict(list)
+        for obj in iter_objects(package):
+            parts = obj.path.split(".")
+            for n in range(1, len(parts)):
+                self._by_suffix[".".join(parts[-n:])].append(obj)
+
+    def resolve(self, owner: griffe.Object, target: str) -> str | None:
+        """The fully qualified path of what ``target`` names in ``owner``'s docstring, or None if nothing does.
+
+        Args:
+            owner: The object whose docstring holds the reference.
+            target: The role's target, without ``~``/``!``/``.`` prefixes.
+        """
+        found = self._in_scope(owner, target) or self._absolute(owner, target)
+        if found is None:
+            candidates = self._by_suffix.get(target, [])
+            found = candidates[0] if len(candidates) == 1 else None
+        return None if found is None else found.path
+
+    def _in_scope(self, owner: griffe.Object, target: str) -> griffe.Object | None:
+        scope: griffe.Object | None = owner if owner.is_class or owner.is_module else owner.parent
+        while scope is not None:
+            found = _walk(scope, target.split("."))
+            if found is not None:
+                return found
+            scope = scope.parent
+        return None
+
+    def _absolute(self, owner: griffe.Object, target: str) -> griffe.Object | None:
+        try:
+            found = owner.modules_collection.get_member(target)
+        except (KeyError, ValueError):
+            return None
+        return _final(found)
+
+
+def _final(obj: griffe.Object | griffe.Alias) -> griffe.Object | None:
+    """The object an alias finally points at (None if that is outside what is loaded)."""
+    if not obj.is_alias:
+        return obj
+    try:
+        return obj.final_target
+    except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+        return None
+
+
+def _member(scope: griffe.Object, name: str) -> griffe.Object | None:
+    """``scope``'s member ``name``, declared or, for a class, inherited from a base that is loaded."""
+    if name in scope.members:
+        return _final(scope.members[name])
+    if scope.is_class:
+        for base in scope.resolved_bases:
+            found = _member(base, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _walk(scope: griffe.Object, parts: list[str]) -> griffe.Object | None:
+    found: griffe.Object | None = scope
+    for name in parts:
+        found = _member(found, name)
+        if found is None:
+            return None
+    return found
+
+
+def iter_objects(obj: griffe.Object):
+    """``obj`` and every object defined under it (aliases, i.e. imports and re-exports, left out)."""
+    yield obj
+    for member in obj.members.values():
+        if not member.is_alias:
+            yield from iter_objects(member)
+
+
+def _role_replacement(match: re.Match[str], owner: griffe.Object, resolver: Resolver) -> str:
+    role, body = match["role"], " ".join(match["body"].split())
+    explicit = _EXPLICIT_TITLE_RE.match(body)
+    title, target = (explicit["title"], explicit["target"].strip()) if explicit else (None, body)
+    no_link = target.startswith("!")
+    short = target.startswith("~")
+    target = target.lstrip("!~").lstrip(".")
+    if title is None:
+        title = target.rsplit(".", 1)[-1] if short else target
+        if role in _CALLABLE_ROLES and not title.endswith(")"):
+            title += "()"
+    code = f"`{title}`"
+    if no_link:
+        return code
+    path = resolver.resolve(owner, target)
+    if path is None and "." in target and not target.startswith("self."):
+        path = target  # outside the package (torch.nn.Module): still linkable if ever rendered
+    if path is None:
+        return code
+    return f'<autoref identifier="{html.escape(path)}" optional>{code}</autoref>'
+
+
+def _literal_block_lines(lines: list[str]) -> list[str]:
+    """Turn reST ``::`` literal blocks into fenced code blocks (everything else, fences included, kept)."""
+    out: list[str] = []
+    i = 0
+    in_fence = False
+    while i < len(lines):
+        line = lines[i]
+        if _FENCE_RE.match(line):
+            in_fence = not in_fence
+        stripped = line.rstrip()
+        if in_fence or not stripped.endswith("::"):
+            out.append(line)
+            i += 1
+            continue
+        indent = len(line) - len(line.lstrip())
+        # The block: blank lines, then lines indented deeper than the paragraph, up to a line that is not.
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        k = j
+        while k < len(lines) and (not lines[k].strip() or len(lines[k]) - len(lines[k].lstrip()) > indent):
+            k += 1
+        while k > j and not lines[k - 1].strip():
+            k -= 1
+        if k == j:  # no indented block follows: not a literal block marker
+            out.append(line)
+            i += 1
+            continue
+        text = stripped[:-2]
+        if not text.strip():
+            pass  # a lone "::" introduces the block and shows nothing
+        elif text.endswith((" ", "\t")):
+            out.append(text.rstrip())  # "text ::" shows "text"
+        else:
+            out.append(text + ":")
+        code = textwrap.dedent("\n".join(lines[j:k]))
+        try:
+            ast.parse(code)
+            lang = "python"
+        except SyntaxError:
+            lang = "text"
+        pad = " " * indent
+        if out and out[-1].strip():
+            out.append("")
+        out.append(f"{pad}```{lang}")
+        out.extend(f"{pad}{c}".rstrip() for c in code.split("\n"))
+        out.append(f"{pad}```")
+        i = k
+    return out
+
+
+def convert_docstring(text: str, owner: griffe.Object, resolver: Resolver) -> str:
+    """``text`` (a docstring of ``owner``) with its Sphinx roles and ``::`` literal blocks in Markdown."""
+    lines = _literal_block_lines(text.split("\n"))
+    # Roles are replaced outside code blocks only; the chunks alternate prose, fenced block, prose, ...
+    chunks: list[list[str]] = [[]]
+    in_fence = False
+    for line in lines:
+        if _FENCE_RE.match(line) and not in_fence:
+            in_fence = True
+            chunks.append([line])
+        elif _FENCE_RE.match(line) and in_fence:
+            in_fence = False
+            chunks[-1].append(line)
+            chunks.append([])
+        else:
+            chunks[-1].append(line)
+    parts = []
+    for n, chunk in enumerate(chunks):
+        if not chunk:
+            continue
+        joined = "\n".join(chunk)
+        if n % 2 == 0:
+            joined = ROLE_RE.sub(lambda m: _role_replacement(m, owner, resolver), joined)
+        parts.append(joined)
+    return "\n".join(parts)
+
+
+def _borrowed_docstring(cls: griffe.Object) -> griffe.Docstring | None:
+    """The docstring a class without one takes with ``__doc__ = Other.__doc__`` (None if it does not).
+
+    Static analysis sees no docstring there, and mkdocstrings leaves undocumented classes out of the pages; the
+    plugins (``GradientScalingPlugin`` and its siblings) share their docstrings with their methods this way.
+    """
+    value = getattr(cls.members.get("__doc__"), "value", None)
+    path = getattr(value, "canonical_path", "")
+    if not path.endswith(".__doc__"):
+        return None
+    try:
+        source = _final(cls.modules_collection.get_member(path.removesuffix(".__doc__")))
+    except (KeyError, ValueError):
+        return None
+    if source is None or source.docstring is None:
+        return None
+    return griffe.Docstring(
+        source.docstring.value,
+        lineno=source.docstring.lineno,
+        endlineno=source.docstring.endlineno,
+        parent=cls,
+        parser=source.docstring.parser,
+        parser_options=source.docstring.parser_options,
+    )
+
+
+class SphinxRoles(griffe.Extension):
+    """Rewrites each docstring of a loaded package from Sphinx markup to Markdown (see the module docstring)."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        resolver = Resolver(pkg)
+        objects = list(iter_objects(pkg))
+        for obj in objects:
+            if obj.is_class and obj.docstring is None:
+                obj.docstring = _borrowed_docstring(obj)
+        for obj in objects:
+            if obj.docstring is not None:
+                obj.docstring.value = convert_docstring(obj.docstring.value, obj, resolver)

@@ -17,7 +17,7 @@ import torch
 from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.gains import bounded_gains, gains_after, kept_downstream, node_gains
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
-from gs_lightning.scaling.limits import Bound, Limit, UnreadBound
+from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, bound_position, candidates, rule_position
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import recomputable
@@ -29,12 +29,6 @@ from gs_lightning.scaling.underflow import (
     highest_below,
     sufficient_log2_scale,
 )
-
-# Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
-# factor, and the scalar it is given as) represents every factor and its inverse as a normal
-# number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
-# NaN). Gradients needing more lie far below every low-precision format's range anyway.
-MAX_LOG2_TOTAL = 100
 
 
 @dataclass(frozen=True)
@@ -116,8 +110,14 @@ class ScaleBounds:
         self.recomputable: set[int] = set()
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
-        self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
-        self._gains = node_gains(graph, analysis)  # before the backward frees what the nodes saved
+        recipe = settings.recipe
+        self.kept_downstream = (
+            kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
+            if recipe.kept_downstream_cap
+            else {}
+        )
+        # before the backward frees what the nodes saved
+        self._gains = node_gains(graph, analysis) if recipe.gain_bounds else []
         self._gains_after: dict[int, torch.Tensor] | None = None
 
     @property
@@ -196,11 +196,17 @@ class ScaleBounds:
         """The lowest cap on node ``i``'s accumulated scale (``None``: uncapped)."""
         return min((c for _, c in self._total_caps(i)), default=None)
 
-    def _total_caps(self, i: int) -> list[tuple[int, int]]:
-        """(position in :data:`CAPS`, cap) of each cap on node ``i``'s accumulated scale: the user's or the back-off's,
-        the layer's back-off, what the GEMMs downstream keep."""
-        caps = (self.settings.total_cap, self.settings.node_caps.get(i), self.kept_downstream.get(i))
-        return [(k, c) for k, c in enumerate(caps, 1) if c is not None]
+    def _total_caps(self, i: int) -> list[tuple[Limit, int]]:
+        """(reason, cap) of each cap on node ``i``'s accumulated scale, in the order :meth:`choose` names the first
+        that holds a scale (:data:`TOTAL_CAPS`): the user's or the back-off's, the layer's back-off, what the
+        GEMMs downstream keep."""
+        s = self.settings
+        caps = {
+            Limit.TOTAL_CAP: s.total_cap,
+            Limit.BACKOFF: s.node_caps.get(i),
+            Limit.KEPT_DOWNSTREAM: self.kept_downstream.get(i),
+        }
+        return [(limit, caps[limit]) for limit in TOTAL_CAPS if caps[limit] is not None]
 
     def capped(self, exponent: Exponent, i: int) -> Exponent:
         cap = self.total_cap(i)
@@ -242,14 +248,19 @@ class ScaleBounds:
         )  # each used twice
         sufficient = sufficient_log2_scale(lower_up, lower_finite)
         beta = below_bounds(sufficient, highest, ceiling)  # choose_log2_scale, its first half kept for the spike room
-        candidates = (Bound(Limit.NONE), Bound(Limit.SPIKE_ROOM), *(Bound(limit) for limit in CAPS), *bounds)
-        reason = 2 + len(CAPS) + values.argmin() if bounds else torch.zeros((), dtype=torch.int64, device=device)
+        reason = (
+            bound_position(values.argmin())
+            if bounds
+            else torch.full((), rule_position(Limit.NONE), dtype=torch.int64, device=device)
+        )
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
             cap = (
                 cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)
             )  # which cap: found on the device
             reason = torch.where((beta == ceiling) & (beta < highest), cap, reason)
-        reason = torch.where((beta >= lower_up) | ~(lower < math.inf), constant(0, device, reason.dtype), reason)
+        reason = torch.where(
+            (beta >= lower_up) | ~(lower < math.inf), constant(rule_position(Limit.NONE), device, reason.dtype), reason
+        )
         if (
             recipe.spike_room_log2 > 0.0
             and any(bound.limit.expected for bound in bounds)
@@ -268,24 +279,27 @@ class ScaleBounds:
             roomier = lower_finite & (with_room < beta)
             beta, reason = (
                 torch.where(roomier, with_room, beta),
-                torch.where(roomier, constant(1, device, reason.dtype), reason),
+                torch.where(roomier, constant(rule_position(Limit.SPIKE_ROOM), device, reason.dtype), reason),
             )
-        return beta, UnreadBound(candidates, reason)
+        return beta, UnreadBound(candidates(bounds), reason)
 
     def _ceiling(self, i: int, alpha: Exponent) -> tuple[Exponent | None, int | torch.Tensor]:
         """The highest local scale the caps leave node ``i`` receiving ``alpha`` (``None``: uncapped), and which cap
-        that is (its position in :meth:`choose`'s candidates: the first of :data:`CAPS` at that value)."""
-        s, totals = self.settings, self._total_caps(i)
+        that is (its position in :meth:`choose`'s candidates, :func:`~gs_lightning.scaling.limits.rule_position`:
+        the layer cap where it is as low, else the first of :data:`TOTAL_CAPS` at the lowest value)."""
+        s, totals, layer = self.settings, self._total_caps(i), rule_position(Limit.LAYER_CAP)
         if not totals:
-            return s.layer_cap, 2
+            return s.layer_cap, layer
         lowest = min(c for _, c in totals)
-        total, position = lowest - alpha, 2 + next(k for k, c in totals if c == lowest)
+        total, position = lowest - alpha, rule_position(next(limit for limit, c in totals if c == lowest))
         if s.layer_cap is None:
             return total, position
         if not isinstance(total, torch.Tensor):
-            return (s.layer_cap, 2) if s.layer_cap <= total else (total, position)
+            return (s.layer_cap, layer) if s.layer_cap <= total else (total, position)
         which = torch.where(
-            total >= s.layer_cap, constant(2, total.device, torch.int64), constant(position, total.device, torch.int64)
+            total >= s.layer_cap,
+            constant(layer, total.device, torch.int64),
+            constant(position, total.device, torch.int64),
         )
         return total.clamp(max=s.layer_cap), which
 
@@ -305,8 +319,9 @@ class ScaleBounds:
         return {bound: value * scaled for bound, value in maxima.items()}
 
 
-# The caps choose() names, in the order it names the first that holds a scale.
-CAPS = (Limit.LAYER_CAP, Limit.TOTAL_CAP, Limit.BACKOFF, Limit.KEPT_DOWNSTREAM)
+# The caps on a node's accumulated scale, in the order choose() names the first that holds a scale where several
+# are as low (the layer cap, on the local scale, is named before them all).
+TOTAL_CAPS = (Limit.TOTAL_CAP, Limit.BACKOFF, Limit.KEPT_DOWNSTREAM)
 
 
 @functools.lru_cache(maxsize=256)

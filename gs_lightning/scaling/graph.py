@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
+from gs_lightning.scaling.limits import Limit
+
 LEAF = "AccumulateGrad"
 
 Slot = tuple[int, int]  # (node index, input slot of that node)
@@ -309,34 +311,36 @@ def _sum_max(grad: torch.Tensor, channel_dim: int) -> torch.Tensor:
     return grad.float().sum([d for d in range(grad.dim()) if d != channel_dim]).abs().max()
 
 
-def _conv_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def _conv_weight_grad_bounds(
+    node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]
+) -> dict[Limit, torch.Tensor]:
     bounds = {}
     inputs = saved_tensor(node, "input")
     if 1 in weight_edges and inputs is not None:  # ∇W[o, i, k] = Σ_{n,h,w} ∇Y[n,o,h,w]·X[n,i,h+k]: Cauchy–Schwarz
-        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad) * _channel_norm_max(inputs)
+        bounds[Limit.WEIGHT_GRADIENT] = _channel_norm_max(grad) * _channel_norm_max(inputs)
     if 2 in weight_edges:  # the bias gradient is computed exactly: it is a sum of ∇Y
-        bounds[BIAS_GRADIENT] = _sum_max(grad, 1)
+        bounds[Limit.BIAS_GRADIENT] = _sum_max(grad, 1)
     return bounds
 
 
-def _addmm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def _addmm_weight_grad_bounds(
+    node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]
+) -> dict[Limit, torch.Tensor]:
     bounds = {}
     mat1 = saved_tensor(node, "mat1")
     if 2 in weight_edges and mat1 is not None:  # ∇W = Xᵀ·∇Y summed over the rows
-        bounds[WEIGHT_GRADIENT] = _channel_norm_max(grad) * _channel_norm_max(mat1)
+        bounds[Limit.WEIGHT_GRADIENT] = _channel_norm_max(grad) * _channel_norm_max(mat1)
     if 0 in weight_edges:
-        bounds[BIAS_GRADIENT] = _sum_max(grad, 1)
+        bounds[Limit.BIAS_GRADIENT] = _sum_max(grad, 1)
     return bounds
 
 
-def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[int, ...]) -> dict[Limit, torch.Tensor]:
     left = saved_tensor(node, "self")
     if 1 not in weight_edges or left is None:
         return {}
-    return {WEIGHT_GRADIENT: _channel_norm_max(grad) * _channel_norm_max(left)}
+    return {Limit.WEIGHT_GRADIENT: _channel_norm_max(grad) * _channel_norm_max(left)}
 
-
-WEIGHT_GRADIENT, BIAS_GRADIENT = "weight gradient", "bias gradient"
 
 # Per GEMM node type: upper bounds on the largest weight (and bias) gradient it outputs from the
 # incoming ∇Y, for its inputs that are parameters, by what they bound. The paper bounds only ∇X;
@@ -344,7 +348,7 @@ WEIGHT_GRADIENT, BIAS_GRADIENT = "weight gradient", "bias gradient"
 # the first to overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost.
 # Under activation checkpointing the input is not readable: the bound is left out and an overflow
 # skips the step.
-WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], dict[str, torch.Tensor]]] = {
+WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], dict[Limit, torch.Tensor]]] = {
     "ConvolutionBackward0": _conv_weight_grad_bounds,
     "AddmmBackward0": _addmm_weight_grad_bounds,
     "MmBackward0": _mm_weight_grad_bounds,

@@ -6,12 +6,11 @@ The rules compare these members, never their text; the text is what :attr:`Layer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
 import torch
-
-from gs_lightning.scaling.graph import BIAS_GRADIENT, WEIGHT_GRADIENT
 
 _RECENT = "parameter gradients of recent batches"
 
@@ -19,17 +18,19 @@ _RECENT = "parameter gradients of recent batches"
 class Limit(Enum):
     """A reason a scale stayed below the underflow bound (``NONE``: it did not).
 
-    The first nine are overflow bounds, each named after the tensor whose overflow it avoids
-    (:class:`Bound`); the rest are rules and caps.
+    The overflow bounds (:data:`OVERFLOW_BOUNDS`) are each named after the tensor whose overflow it avoids
+    (:class:`Bound`); the others are the rules and caps of :data:`RULES`. Members are told apart by these
+    named sets, never by their position or text.
     """
 
     NONE = ""
     INCOMING_GRADIENT = "incoming gradient"
     INPUT_GRADIENT = "gradient of input"  # what a GEMM sends on, bounded from its operands
-    WEIGHT_GRADIENT = WEIGHT_GRADIENT
-    BIAS_GRADIENT = BIAS_GRADIENT
+    WEIGHT_GRADIENT = "weight gradient"  # a GEMM's, bounded by Cauchy–Schwarz or measured (graph.WEIGHT_GRAD_BOUNDS)
+    BIAS_GRADIENT = "bias gradient"  # computed exactly: a sum of the incoming gradient
     OUTPUT = "output"  # a sampled node's exact outputs
-    # The values a GEMM's weight and bias gradients reached on recent batches (ScalingRecipe.expected_maxima_margin_log2).
+    # The values a GEMM's weight and bias gradients reached on recent batches
+    # (ScalingRecipe.expected_maxima_margin_log2).
     EXPECTED_PARAMETER_GRADIENTS = _RECENT
     # Their level and a share of their spikes, the replays recomputing the rest (ScalingRecipe.recomputed_spike_share).
     RECOMPUTED_SPIKES = f"{_RECENT}, a share of their spikes (the rest recomputed)"
@@ -45,7 +46,7 @@ class Limit(Enum):
     @property
     def is_overflow_bound(self) -> bool:
         """Whether it bounds the overflow of a tensor (and is shown as ``"overflow of the <tensor>"``)."""
-        return self in _OVERFLOW_BOUNDS
+        return self in OVERFLOW_BOUNDS
 
     @property
     def exact(self) -> bool:
@@ -59,7 +60,20 @@ class Limit(Enum):
         return self in _EXPECTED
 
 
-_OVERFLOW_BOUNDS = frozenset(list(Limit)[1:10])
+OVERFLOW_BOUNDS = frozenset(
+    {
+        Limit.INCOMING_GRADIENT,
+        Limit.INPUT_GRADIENT,
+        Limit.WEIGHT_GRADIENT,
+        Limit.BIAS_GRADIENT,
+        Limit.OUTPUT,
+        Limit.EXPECTED_PARAMETER_GRADIENTS,
+        Limit.RECOMPUTED_SPIKES,
+        Limit.FED_PARAMETER_GRADIENTS,
+        Limit.SPIKE_ROOM,
+    }
+)
+"""The limits that bound the overflow of a tensor (:attr:`Limit.is_overflow_bound`): a decision's own bounds."""
 _EXACT = frozenset({Limit.INCOMING_GRADIENT, Limit.BIAS_GRADIENT, Limit.OUTPUT})
 _EXPECTED = frozenset(
     {Limit.EXPECTED_PARAMETER_GRADIENTS, Limit.RECOMPUTED_SPIKES, Limit.FED_PARAMETER_GRADIENTS, Limit.SPIKE_ROOM}
@@ -77,7 +91,8 @@ class Bound(NamedTuple):
 
 
 def describe(limit: Limit, index: int | None = None) -> str:
-    """The text of a reason, as :attr:`LayerScale.limited_by` shows it: ``"overflow of the gradient of input 1"``, ``"max_layer_scale"``."""
+    """The text of a reason, as :attr:`LayerScale.limited_by` shows it: ``"overflow of the gradient of input 1"``,
+    ``"max_layer_scale"``."""
     return f"overflow of the {Bound(limit, index)}" if limit.is_overflow_bound else limit.value
 
 
@@ -92,9 +107,36 @@ def parse(text: str) -> tuple[Limit, int | None]:
     raise ValueError(f"unknown scale limit {text!r}; expected one of {[describe(limit) for limit in Limit]}")
 
 
+# The reasons a decision names besides its own overflow bounds (the scale met γ', spike room, the caps). They open
+# every decision's candidates (:func:`candidates`), the device picks a position among those, and each rule's
+# position is looked up by its member (:func:`rule_position`): reordering this tuple or Limit relabels nothing.
+RULES = (Limit.NONE, Limit.SPIKE_ROOM, Limit.LAYER_CAP, Limit.TOTAL_CAP, Limit.BACKOFF, Limit.KEPT_DOWNSTREAM)
+_RULE_POSITIONS = {limit: k for k, limit in enumerate(RULES)}
+
+
+def candidates(bounds: Sequence[Bound]) -> tuple[Bound, ...]:
+    """What a decision's device-chosen position points into: the :data:`RULES`, then its overflow ``bounds``
+    in their order (:func:`bound_position`)."""
+    return (*(Bound(limit) for limit in RULES), *bounds)
+
+
+def rule_position(limit: Limit) -> int:
+    """The position of rule ``limit`` in every :func:`candidates`."""
+    try:
+        return _RULE_POSITIONS[limit]
+    except KeyError:
+        raise ValueError(f"{limit} is not a rule a decision names; expected one of {RULES}") from None
+
+
+def bound_position(k: int | torch.Tensor) -> int | torch.Tensor:
+    """The position in :func:`candidates` of its ``k``-th overflow bound (a tensor where the device chose ``k``)."""
+    return len(RULES) + k
+
+
 class UnreadBound(NamedTuple):
     """Which of ``candidates`` held a scale down, as chosen on the device (:meth:`ScaleBounds.choose
-    <gs_lightning.scaling.bounds.ScaleBounds.choose>`): ``index``, a 0-dim integer tensor, unread."""
+    <gs_lightning.scaling.bounds.ScaleBounds.choose>`): ``index``, a 0-dim integer tensor, unread, its position
+    in ``candidates`` (:func:`candidates`)."""
 
     candidates: tuple[Bound, ...]
     index: torch.Tensor

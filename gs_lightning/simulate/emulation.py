@@ -12,10 +12,16 @@ its usual nodes (``ConvolutionBackward0``, ``AddmmBackward0``, ``MmBackward0``,
 unchanged. Only the GEMM kernels are replaced; everything else (autocast's casts, BatchNorm,
 pooling, the loss) runs PyTorch's own kernels in autocast's own dtypes, except BatchNorm, whose
 fp16 CPU kernel is as slow: it runs in fp32 from the same values, its fp16 outputs rounded.
+
+Under ``torch.inference_mode`` (Lightning validates and tests in it) autograd is off for good and
+does not decompose composite operators (``conv2d``, ``linear``, ``matmul``, ``einsum``,
+``batch_norm``, ...) before they reach the mode, as it does in training and under ``no_grad``;
+the mode decomposes them itself, so the same GEMMs are emulated with the same roundings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Literal
 
@@ -29,12 +35,25 @@ from gs_lightning.simulate.rounding import EMULATED_DTYPES, GRAD_DTYPES, round_t
 
 aten = torch.ops.aten
 
-# GEMMs autocast runs in low precision; in a backward pass their outputs are gradients.
+# GEMMs autocast runs in low precision; in a backward pass their outputs are gradients. Every
+# convolution (conv1d/2d/3d, the transposed ones, conv_tbc) and linear/matmul/einsum decomposes
+# into these, by autograd or, under inference_mode, by the mode (_decompose).
 _GEMMS = frozenset(
-    {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    {
+        aten.convolution.default,
+        aten._convolution.default,
+        aten._convolution.deprecated,
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.addbmm.default,
+    }
 )
 _CONV_BACKWARD = aten.convolution_backward.default
-_BIAS_GEMMS = frozenset({aten.addmm.default, aten.baddbmm.default})  # operands 1 and 2 are the matrices
+# Operands 1 and 2 are the matrices.
+_BIAS_GEMMS = frozenset({aten.addmm.default, aten.baddbmm.default, aten.addbmm.default})
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 # Also slow with fp16 inputs on CPUs (60x fp32 in training mode), not GEMMs: computed in fp32 as
 # cuDNN does, only the outputs that are fp16 for real are rounded (to ``dtype``, never to grad_dtype).
 _BATCH_NORM = frozenset({aten.native_batch_norm.default, aten.native_batch_norm_backward.default})
@@ -78,7 +97,10 @@ class UnderflowMeter:
         return self.collect_with_oracle()[0]
 
     def collect_with_oracle(self) -> tuple[list[float], list[float]]:
-        """Per tensor recorded since the last call: underflow fractions and the oracle's (empty without ``oracle_format``)."""
+        """Per tensor recorded since the last call: underflow fractions and the oracle's.
+
+        The oracle's list is empty without ``oracle_format``.
+        """
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
@@ -268,7 +290,66 @@ class _EmulationMode(LowPrecisionOnly, TorchDispatchMode):  # GradientScaler's u
             return self.spec._run(func, args, kwargs)
         if func in _BATCH_NORM and args[0].dtype == self.spec.dtype:
             return self.spec._run_batch_norm(func, args, kwargs)
+        if _is_composite(func):
+            return self._decompose(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _decompose(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a composite operator's decomposition (PyTorch's C++ one) with its operators inside this mode.
+
+        A composite operator reaches a dispatch mode only where the Autograd keys are excluded
+        (``inference_mode``); elsewhere autograd decomposes it first. Without a mode, PyTorch's own
+        kernel would decompose it with the caller's dispatch state, in which autocast still casts
+        the operators inside (an ``einsum``'s ``bmm``) unless autocast itself dispatched the
+        composite (``conv2d``, ``linear``, ``matmul``: it cast their inputs and stepped aside).
+        That state is restored here, then this mode is entered again: every GEMM inside is
+        emulated, with the operands and the roundings it has in training.
+        """
+        guards = [torch._C._RestorePythonTLSSnapshot()]
+        autocast_key = _autocast_key(func, args)
+        if autocast_key is not None:
+            guards.append(torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key)))
+        with contextlib.ExitStack() as stack:
+            for guard in guards:
+                stack.enter_context(guard)
+            stack.enter_context(self)
+            return func._op_dk(_COMPOSITE, *args, **kwargs)
+
+
+_IS_COMPOSITE: dict[Any, bool] = {}
+_AUTOCAST_KEYS: dict[tuple[Any, str], torch._C.DispatchKey | None] = {}
+
+
+def _is_composite(func: Any) -> bool:
+    """Whether ``func`` is a CompositeImplicitAutograd operator (decomposed by autograd where autograd runs)."""
+    known = _IS_COMPOSITE.get(func)
+    if known is None:
+        known = _IS_COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
+    return known
+
+
+def _autocast_key(func: Any, args: tuple) -> torch._C.DispatchKey | None:
+    """The autocast key of the arguments' device where autocast has a kernel of its own for ``func``, else ``None``."""
+    device = _first_device(args)
+    if device is None:
+        return None
+    cache_key = (func, device)
+    if cache_key not in _AUTOCAST_KEYS:
+        key = getattr(torch._C.DispatchKey, f"Autocast{device.upper()}", None)
+        has_kernel = key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+        _AUTOCAST_KEYS[cache_key] = key if has_kernel else None
+    return _AUTOCAST_KEYS[cache_key]
+
+
+def _first_device(obj: Any) -> str | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            device = _first_device(o)
+            if device is not None:
+                return device
+    return None
 
 
 def _all_floats_are(args: tuple, dtype: torch.dtype) -> bool:

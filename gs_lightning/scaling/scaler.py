@@ -53,7 +53,7 @@ from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.step_read import StepRead
-from gs_lightning.scaling.steps import OptimizerSteps
+from gs_lightning.scaling.steps import FoundInf, OptimizerSteps
 from gs_lightning.scaling.weak import weakly
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
@@ -287,6 +287,8 @@ class GradientScaler:
         Raises:
             RuntimeError: after more than ``max_consecutive_skips`` skipped steps in a row, naming
                 the first layer whose gradient was non-finite.
+            AssertionError: if none of the optimizer's parameters has a gradient (no backward reached
+                them since they were zeroed), as ``GradScaler`` raises ("No inf checks were recorded").
         """
         if not self.enabled:
             optimizer.step(*args, **kwargs)
@@ -302,12 +304,10 @@ class GradientScaler:
             self._attached.save_buffers()
         return True
 
-    def _non_finite(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether one of ``optimizer``'s gradients is non-finite, every one read."""
-        return self._read.non_finite(
-            [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None],
-            self._attached.sharded,
-        )
+    def _non_finite(self, optimizer: torch.optim.Optimizer) -> FoundInf:
+        """Whether one of ``optimizer``'s gradients is non-finite, every one read: one flag, none if it holds none."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return [self._read.non_finite(grads, self._attached.sharded)] if grads else []
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration (``GradScaler.update``); the next backward starts a new one.

@@ -8,14 +8,52 @@ says where it diverged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 import torch
 
+# One optimizer's found-inf flags, one per device its gradients are on (``GradScaler``'s
+# ``found_inf_per_device``): a ``bool``, or a tensor that is non-zero where a gradient is non-finite
+# (read in ``step``). Empty: the optimizer holds no gradient to check.
+FoundInf = Sequence["bool | torch.Tensor"]
+
+NO_GRADIENT = (
+    "No inf checks were recorded for this optimizer: none of its parameters has a gradient (every .grad is None), "
+    "so no backward reached them since they were last zeroed. Backpropagate the loss through the scaler "
+    "(scaler.scale(loss).backward() or scaler.backward(loss)) before step()."
+)
+
+
+class Stage(Enum):
+    """Where an optimizer is in the iteration (``torch.amp.OptState``'s stages)."""
+
+    READY = "ready"
+    """Neither checked nor stepped since the last ``update()``."""
+    UNSCALED = "unscaled"
+    """Checked (``unscale_``): its step goes by that check."""
+    STEPPED = "stepped"
+    """Stepped, or its step skipped: nothing more until ``update()``."""
+
+
+def check_max_consecutive_skips(value: int | None) -> int | None:
+    """``value`` if it is a valid ``max_consecutive_skips`` (``None`` or a positive integer).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"GradientScaler: max_consecutive_skips must be None or a positive integer, got {value!r}")
+    return value
+
 
 class OptimizerSteps:
     """The per-optimizer stages of one iteration and the skipped steps of the run.
+
+    The scalers say how to check an optimizer's gradients (a callable that returns its
+    :data:`FoundInf` flags); this class says when: once per optimizer at ``unscale_``, or at ``step``
+    if ``unscale_`` was not called, with ``GradScaler``'s errors for calls out of order.
 
     Args:
         max_consecutive_skips: Raise once more steps than this were skipped in a row; ``None`` never raises.
@@ -30,8 +68,8 @@ class OptimizerSteps:
         self.skipped = 0
         self.consecutive = 0
         self._skipped_this_iteration = False
-        self._stage: dict[int, str] = {}  # GradScaler's per-optimizer "unscaled" / "stepped"
-        self._found_inf: dict[int, bool] = {}
+        self._stage: dict[int, Stage] = {}  # per optimizer; absent: Stage.READY
+        self._found_inf: dict[int, FoundInf] = {}  # per optimizer checked at unscale_ and not yet stepped
 
     @property
     def max_consecutive_skips(self) -> int | None:
@@ -40,29 +78,40 @@ class OptimizerSteps:
 
     @max_consecutive_skips.setter
     def max_consecutive_skips(self, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"GradientScaler: max_consecutive_skips must be None or a positive integer, got {value!r}")
-        self._max_consecutive_skips = value
+        self._max_consecutive_skips = check_max_consecutive_skips(value)
 
-    def unscale(self, optimizer: torch.optim.Optimizer, non_finite: Callable[[], bool]) -> None:
-        """``unscale_``: check ``optimizer``'s gradients now (``non_finite``); its step goes by this check."""
-        stage = self._stage.get(id(optimizer))
-        if stage == "unscaled":
+    def stage(self, optimizer: torch.optim.Optimizer) -> Stage:
+        """Where ``optimizer`` is in this iteration."""
+        return self._stage.get(id(optimizer), Stage.READY)
+
+    def unscale(self, optimizer: torch.optim.Optimizer, check: Callable[[], FoundInf]) -> None:
+        """``unscale_``: check ``optimizer``'s gradients now (``check``); its step goes by this check."""
+        stage = self.stage(optimizer)
+        if stage is Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if stage == "stepped":
+        if stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._stage[id(optimizer)] = "unscaled"
-        self._found_inf[id(optimizer)] = non_finite()
+        self._stage[id(optimizer)] = Stage.UNSCALED
+        self._found_inf[id(optimizer)] = check()
 
-    def overflowed(self, optimizer: torch.optim.Optimizer, non_finite: Callable[[], bool]) -> bool:
-        """``step``: whether ``optimizer``'s gradients were non-finite at ``unscale_``, or are now if it was not called."""
-        if self._stage.get(id(optimizer)) == "stepped":
+    def overflowed(self, optimizer: torch.optim.Optimizer, check: Callable[[], FoundInf]) -> bool:
+        """``step``: whether ``optimizer``'s gradients were non-finite at ``unscale_``, or are now if it was not called.
+
+        Raises:
+            RuntimeError: if ``optimizer`` was stepped since the last ``update()``.
+            AssertionError: if it holds no gradient (``GradScaler``'s error; the optimizer is ready
+                again, for a step after a backward).
+        """
+        if self.stage(optimizer) is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        overflow = self._found_inf.pop(id(optimizer), None)
-        if overflow is None:
-            overflow = non_finite()
-        self._stage[id(optimizer)] = "stepped"
-        return overflow
+        found_inf = self._found_inf.pop(id(optimizer), None)
+        if found_inf is None:
+            found_inf = check()
+        if not found_inf:
+            self._stage.pop(id(optimizer), None)
+            raise AssertionError(NO_GRADIENT)
+        self._stage[id(optimizer)] = Stage.STEPPED
+        return any(bool(flag) for flag in found_inf)
 
     def skip(self) -> bool:
         """Count a skipped step; whether it is the iteration's first (several optimizers skip as one)."""
@@ -108,7 +157,7 @@ class OptimizerSteps:
     @property
     def any_stepped(self) -> bool:
         """Whether an optimizer stepped (or skipped its step) since the last :meth:`end_iteration`."""
-        return "stepped" in self._stage.values()
+        return Stage.STEPPED in self._stage.values()
 
     def end_iteration(self) -> None:
         """``update()``: every optimizer may be checked and stepped again."""

@@ -240,6 +240,35 @@ def test_grad_scaling_unscale_sparse_uncoalesced_fp16_overflow() -> None:
     assert torch.equal(param.detach(), torch.zeros_like(param))
 
 
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale-then-step"])
+def test_step_without_a_backward_raises_as_gradscaler_does(unscale_first: bool) -> None:
+    """A step whose optimizer holds no gradient, the backward forgotten after ``zero_grad``: upstream's
+    ``GradScaler.step`` raises ``AssertionError("No inf checks were recorded for this optimizer.")``
+    (test_grad_scaling_* reach it through their loops; here it is called on its own, beside GradScaler).
+    GradientScaler raises the same, saying what is missing, and leaves the weights alone; a backward
+    afterwards makes the optimizer's next step a normal one."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for make in (lambda model: torch.amp.GradScaler("cpu"), GradientScaler):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scaler = make(model)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()  # and no backward
+        before = [p.detach().clone() for p in model.parameters()]
+        if unscale_first:
+            scaler.unscale_(optimizer)  # nothing to check: it is the step that raises
+        with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+            scaler.step(optimizer)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(AssertionError, match=r"none of its parameters has a gradient.*before step\(\)"):
+        scaler.step(optimizer)
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    assert scaler.step(optimizer) and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_grad_scaling_update_scale() -> None:
     """GradScaler's ``_amp_update_scale_`` backs its scale off after an overflow and grows it after
     ``growth_interval`` clean iterations. GradientScaler's counterpart: a skipped step caps the

@@ -142,6 +142,85 @@ def test_bad_arguments_name_what_was_expected() -> None:
         emulate(torch.float16, grad_scaling=DelayedScaling())
 
 
+# --- evaluation: inference_mode and no_grad -----------------------------------------------------
+
+# Every operator that computes a GEMM or a convolution, composite or not, by its name's stem.
+_GEMM_STEMS = ("conv", "mm", "linear", "matmul", "einsum", "tensordot", "multi_dot", "bilinear")
+
+
+class _KernelDtypes(TorchDispatchMode):
+    """Entered outside the emulation: records the floating dtypes of the GEMMs the emulation lets run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemms: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.__name__.split(".")[0]
+        if "backward" not in name and any(stem in name for stem in _GEMM_STEMS):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            self.gemms.append((str(func), {t.dtype for t in tensors if t.is_floating_point()}))
+        return func(*args, **(kwargs or {}))
+
+
+def _eval_cases() -> dict[str, tuple]:
+    torch.manual_seed(0)
+    x1, x2, x3 = torch.randn(2, 3, 9), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 5, 4, 6)
+    a, b, a3, b3 = torch.randn(5, 6), torch.randn(6, 7), torch.randn(2, 5, 6), torch.randn(2, 6, 7)
+    batch_norm = nn.BatchNorm2d(4).eval()
+    batch_norm.running_mean.normal_()
+    return {
+        "conv1d": (nn.Conv1d(3, 4, 3), x1),
+        "conv2d": (nn.Conv2d(3, 4, 3, padding=1, stride=2), x2),
+        "conv2d-same-groups": (nn.Conv2d(3, 6, 3, padding="same", groups=3), x2),
+        "conv3d": (nn.Conv3d(3, 4, 3), x3),
+        "conv-transpose1d": (nn.ConvTranspose1d(3, 4, 3, stride=2), x1),
+        "conv-transpose2d": (nn.ConvTranspose2d(3, 4, 3, stride=2, output_padding=1), x2),
+        "conv-transpose3d": (nn.ConvTranspose3d(3, 4, 3), x3),
+        "linear": (nn.Linear(6, 7), a),
+        "linear-3d": (nn.Linear(6, 7), a3),
+        "linear-no-bias": (nn.Linear(6, 7, bias=False), a3.transpose(0, 1)),
+        "matmul": (lambda t: t @ b, a),
+        "matmul-batched": (lambda t: t @ b3, a3),
+        "matmul-broadcast": (lambda t: t @ b, a3),
+        "einsum": (lambda t: torch.einsum("bij,bjk->bik", t, b3), a3),
+        "conv-batch-norm": (nn.Sequential(nn.Conv2d(3, 4, 1), batch_norm), x2),
+    }
+
+
+EVAL_CASES = list(_eval_cases())
+
+
+@pytest.mark.parametrize("case", EVAL_CASES)
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+def test_evaluation_emulates_the_same_gemms_as_training_bit_for_bit(case: str, context) -> None:  # noqa: ANN001
+    """Under inference_mode (where Lightning validates and tests) autograd does not decompose conv2d, linear,
+    matmul, einsum or batch_norm before the mode: the emulation must, or the CPU's real fp16 kernels run (a 3x3
+    conv 100x slower). Outputs equal the training forward's, and every GEMM below the emulation is fp32."""
+    module, x = _eval_cases()[case]
+    with emulate(torch.float16), torch.autocast("cpu", dtype=torch.float16):
+        trained = module(x.requires_grad_())
+    assert trained.grad_fn is not None and trained.dtype == torch.float16
+    x = x.detach()
+    with context(), _KernelDtypes() as kernels, emulate(torch.float16), torch.autocast("cpu", dtype=torch.float16):
+        evaluated = module(x)
+    assert evaluated.dtype == torch.float16 and torch.equal(evaluated, trained)
+    assert kernels.gemms, "no GEMM reached the kernels"
+    assert all(dtypes == {torch.float32} for _, dtypes in kernels.gemms), kernels.gemms
+
+
+def test_evaluation_without_autocast_is_left_as_it_is() -> None:
+    """fp32 operators under inference_mode run as they are: the same values, no fp16 anywhere."""
+    conv, x = _eval_cases()["conv2d"]
+    with torch.inference_mode():
+        expected = conv(x)
+        with _KernelDtypes() as kernels, emulate(torch.float16):
+            out = conv(x)
+    assert torch.equal(out, expected) and kernels.gemms
+    assert all(dtypes == {torch.float32} for _, dtypes in kernels.gemms), kernels.gemms
+
+
 # --- validation against real CPU fp16 ---------------------------------------------------------
 
 

@@ -122,11 +122,14 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         with emulate(torch.float16):                          # backward
             scaler.backward(loss)
 
-    While active, every convolution, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` whose
+    While active, every convolution, ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and ``addbmm`` whose
     floating-point operands are all ``dtype`` (what autocast produces) runs in fp32 on the same
     values and rounds its result to ``dtype``, subnormals and overflow to inf included.
     BatchNorm with ``dtype`` inputs (forward and backward) also runs in fp32, its ``dtype``
     outputs rounded to ``dtype``: PyTorch's fp16 CPU kernel is as slow as the convolutions'.
+    The operators built from these (``conv2d``, ``conv_transpose2d``, ``linear``, ``matmul``,
+    ``einsum``, ``batch_norm``, ...) are emulated with the same roundings under ``no_grad`` and
+    ``torch.inference_mode`` (where validation and test run) as in training.
 
     In a backward pass, where the gradients are cast to ``grad_dtype`` depends on ``grad_rounding``:
 

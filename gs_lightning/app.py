@@ -13,14 +13,15 @@ import inspect
 import json
 import logging
 import math
-import pickle
 import re
 import shlex
 import shutil
+import signal
 import sys
 import textwrap
 import time
 import warnings
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,14 +247,20 @@ def run(cfg: DictConfig) -> dict[str, float]:
                 return {}
         try:
             built.trainer.fit(built.task, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
-        except SystemExit:  # Lightning's exit after a Ctrl-C
+        except SystemExit as stop:  # Lightning's exit after a Ctrl-C, or its SIGTERMException
             if built.trainer.interrupted and built.trainer.is_global_zero:
                 log.info(_how_to_resume(built.trainer))
-            raise
+            raise _exit_status(built.trainer, stop) from None
         metrics = {k: float(v) for k, v in built.trainer.callback_metrics.items()}
         if cfg.test and not cfg.trainer.fast_dev_run:
-            for result in built.trainer.test(built.task, datamodule=built.datamodule, verbose=False):
-                metrics.update(result)
+            try:
+                for result in built.trainer.test(built.task, datamodule=built.datamodule, verbose=False):
+                    metrics.update(result)
+            except SystemExit as stop:
+                if built.trainer.received_sigterm and built.trainer.is_global_zero:
+                    last = getattr(built.trainer.checkpoint_callback, "last_model_path", "") or "none"
+                    log.info(f"\nStopped by SIGTERM while testing; the fit had finished (its checkpoint: {last})")
+                raise _exit_status(built.trainer, stop) from None
     except (AppError, DatasetError, FileNotFoundError) as error:
         _remove_empty_run_directory(Path(cfg.paths.output_dir))
         sys.exit(f"error: {_data_root_hint(error, cfg)}")
@@ -414,12 +421,23 @@ def _skipped_at_the_end(scaler: GradientScaler) -> str:
     )
 
 
+# The exit status of a run stopped by SIGTERM: 128 + 15, as a shell reports a process that SIGTERM ended.
+SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM
+
+
+def _exit_status(trainer: L.Trainer, stop: SystemExit) -> SystemExit:
+    """The exit of a run Lightning stopped: its own for Ctrl-C (status 1); for SIGTERM, whose
+    SIGTERMException would exit 0 (a job scheduler would take the run as finished), status 143."""
+    return SystemExit(SIGTERM_EXIT_STATUS) if trainer.received_sigterm else stop
+
+
 def _how_to_resume(trainer: L.Trainer) -> str:
     """Where an interrupted run stopped, what it saved, and the command line that resumes it."""
     saved = next(
         (c.saved for c in trainer.callbacks if isinstance(c, InterruptCheckpoint) and c.saved is not None), None
     )
-    lines = ["", f"Interrupted at step {trainer.global_step} (epoch {trainer.current_epoch})."]
+    how = "Stopped by SIGTERM" if trainer.received_sigterm else "Interrupted"
+    lines = ["", f"{how} at step {trainer.global_step} (epoch {trainer.current_epoch})."]
     if saved is None:
         last = getattr(trainer.checkpoint_callback, "last_model_path", "")
         lines.append(
@@ -487,30 +505,17 @@ def _say_how_fp16_runs(trainer: L.Trainer) -> None:
     log.info(f"fp16: {how}; precision.emulate={str(setting).lower()}")
 
 
-# Errors torch.load raises for a file that is not a whole torch archive.
-_UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError)
+# How a torch file begins: a zip archive (torch.save since 1.6, Lightning's checkpoints) or, in torch's
+# legacy format, a pickle (protocol 2 and up start with the PROTO opcode, 0x80).
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+_EXPECTED_CHECKPOINT = "expected a checkpoint such as outputs/<recipe>/<precision>/<date>/checkpoints/last.ckpt"
 
 
 def _check_resume(path: Path, built: Run) -> str | None:
     """Check ``ckpt_path`` before fitting from it: a one-line AppError for a file that is missing,
     unreadable, not a checkpoint, or another recipe's or precision method's. Returns the line to
     print instead of training when the checkpoint's run already reached this run's limits."""
-    if not path.is_file():
-        raise AppError(
-            f"ckpt_path={path}: no such file; expected a checkpoint such as outputs/<recipe>/<precision>/<date>/checkpoints/last.ckpt"
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except _UNREADABLE as error:
-        # torch's first sentence names the fault; the rest is advice on how files get corrupted.
-        reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else type(error).__name__
-        raise AppError(
-            f"ckpt_path={path}: not a readable checkpoint, the file is truncated or corrupt ({reason})"
-        ) from error
-    if not isinstance(checkpoint, dict) or not {"state_dict", "loops"} <= checkpoint.keys():
-        raise AppError(
-            f"ckpt_path={path}: a torch file but not a Lightning checkpoint (no 'state_dict' and 'loops'); expected a train.py run's last.ckpt"
-        )
+    checkpoint = read_checkpoint(path)
     _check_same_model(path, checkpoint, built.task)
     _check_same_precision(path, checkpoint, built.trainer)
     trainer = built.trainer
@@ -526,6 +531,79 @@ def _check_resume(path: Path, built: Run) -> str | None:
         f"Nothing to train: the run of ckpt_path={path} already reached {' and '.join(limits)} (step {step}, "
         f"{epochs} epochs); give a larger limit to train longer (its test metrics are in that run's log)"
     )
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a Lightning checkpoint the way a resume reads it (``torch.load(weights_only=True)``),
+    after checking that the file can be one.
+
+    Raises:
+        AppError: one line naming ``path``, what is wrong with it (missing, a folder, empty, text,
+            not a torch file, truncated or corrupt, objects weights-only loading refuses, not a
+            Lightning checkpoint) and what was expected.
+    """
+    if not path.exists():
+        raise AppError(f"ckpt_path={path}: no such file; {_EXPECTED_CHECKPOINT}")
+    if not path.is_file():
+        raise AppError(f"ckpt_path={path}: a folder, not a file; {_EXPECTED_CHECKPOINT}")
+    try:
+        with path.open("rb") as file:
+            head = file.read(512)
+    except OSError as error:
+        raise AppError(f"ckpt_path={path}: cannot be read ({error.strerror}); {_EXPECTED_CHECKPOINT}") from error
+    if not head:
+        raise AppError(f"ckpt_path={path}: an empty file (0 bytes), not a checkpoint; {_EXPECTED_CHECKPOINT}")
+    if not head.startswith(_TORCH_MAGIC):
+        what = (
+            "a text file, not a checkpoint" if _is_text(head) else f"not a torch file (bytes {head[:8].hex(' ')} ...)"
+        )
+        raise AppError(f"ckpt_path={path}: {what}; {_EXPECTED_CHECKPOINT} (a zip archive, as torch.save writes)")
+    if head.startswith(_TORCH_MAGIC[0]) and not zipfile.is_zipfile(path):
+        raise AppError(
+            f"ckpt_path={path}: not a readable checkpoint, the file is truncated (a zip archive without its end, the "
+            f"central directory: a save or copy cut short); {_EXPECTED_CHECKPOINT}"
+        )
+    try:
+        with warnings.catch_warnings():  # a pickle's protocol warning would break the one line
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # whatever torch raises, the file is not a checkpoint it can read
+        raise AppError(f"ckpt_path={path}: {_load_failure(error)}; {_EXPECTED_CHECKPOINT}") from error
+    if not isinstance(checkpoint, dict) or not {"state_dict", "loops"} <= checkpoint.keys():
+        what = f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise AppError(
+            f"ckpt_path={path}: a torch file but not a Lightning checkpoint (it holds {what[:80]}, not 'state_dict' "
+            "and 'loops'); expected a train.py run's last.ckpt or interrupted.ckpt"
+        )
+    return checkpoint
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether a file's first bytes read as text (UTF-8 without control characters but whitespace)."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(head) - 3:  # not a character cut at the end of the sample
+            return False
+        text = head[: error.start].decode("utf-8")
+    return all(c.isprintable() or c in "\t\n\r" for c in text)
+
+
+def _load_failure(error: Exception) -> str:
+    """What torch.load's error says is wrong with a file that begins as a torch file."""
+    message = str(error).strip()
+    refused = re.search(r"WeightsUnpickler error:\s*(.+)", message)
+    if refused is not None:
+        reason = refused.group(1).split(" was not an allowed global")[0].split(". ")[0].strip()
+        if reason.startswith("Unsupported global"):
+            return (
+                f"holds a Python object that weights-only loading refuses ({reason}), not only tensors and plain data"
+            )
+        return f"not a readable checkpoint, the file is truncated or corrupt ({reason})"
+    # torch's first sentence names the fault (after the C++ assertion's location); the rest is advice.
+    message = re.sub(r"^\[enforce fail at [^\]]*\][\s.]*", "", message)
+    reason = message.splitlines()[0].split(". ")[0] if message else type(error).__name__
+    return f"not a readable checkpoint, the file is truncated or corrupt ({reason})"
 
 
 def _check_same_model(path: Path, checkpoint: dict[str, Any], task: L.LightningModule) -> None:

@@ -673,20 +673,60 @@ def test_each_run_writes_its_results_and_a_multirun_ends_with_one_table(
     assert "\n".join(table) in capsys.readouterr().out
 
 
+class NotPlainData:
+    """An object torch's weights-only loading refuses."""
+
+
+def _unreadable_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, str]]:
+    """Files that are not a checkpoint to resume, each with what the app's line says of it."""
+    content = good.read_bytes()
+    files = {
+        "missing": (folder / "nope.ckpt", None, "no such file; expected a checkpoint such as outputs/"),
+        "folder": (folder / "folder.ckpt", None, "a folder, not a file"),
+        "text": (folder / "notes.ckpt", b"resume from step 4\nlr: 0.05\n", "a text file, not a checkpoint; expected"),
+        "empty": (folder / "empty.ckpt", b"", "an empty file (0 bytes), not a checkpoint"),
+        "truncated": (
+            folder / "truncated.ckpt",
+            content[: len(content) // 2],
+            "not a readable checkpoint, the file is truncated (a zip archive without its end",
+        ),
+        "random bytes": (
+            folder / "random.ckpt",
+            bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)),
+            "not a torch file (bytes ",
+        ),
+        "a saved tensor": (folder / "tensor.pt", None, "a torch file but not a Lightning checkpoint (it holds Tensor,"),
+        "weights": (folder / "weights.pt", None, "a torch file but not a Lightning checkpoint (it holds keys weight,"),
+        "objects": (
+            folder / "objects.ckpt",
+            None,
+            "holds a Python object that weights-only loading refuses "
+            f"(Unsupported global: GLOBAL {__name__}.NotPlainData)",
+        ),
+    }
+    (folder / "folder.ckpt").mkdir()
+    torch.save(torch.zeros(2), folder / "tensor.pt")
+    torch.save({"weight": torch.zeros(2)}, folder / "weights.pt")
+    torch.save({"state_dict": {}, "loops": {}, "extra": NotPlainData()}, folder / "objects.ckpt")
+    for path, data, _ in files.values():
+        if data is not None:
+            path.write_bytes(data)
+    return {name: (path, expected) for name, (path, _, expected) in files.items()}
+
+
 def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> None:
-    """Missing, truncated, not a checkpoint, another model's, another precision's: one line each;
-    the checkpoint is untouched and the failed run leaves no run directory behind."""
+    """Missing, a folder, text, empty, truncated, random bytes, a saved tensor, not a checkpoint,
+    objects weights-only loading refuses, another model's, another precision's: one line each naming
+    the path, what is wrong and what was expected; the checkpoint is untouched and the failed run
+    leaves no run directory behind."""
     run(_demo_like(tmp_path / "demo", tmp_path, "trainer.max_steps=1", "test=false"))
     good = tmp_path / "demo" / "checkpoints" / "last.ckpt"
     content = good.read_bytes()
-    truncated = tmp_path / "truncated.ckpt"
-    truncated.write_bytes(content[: len(content) // 2])
-    not_a_checkpoint = tmp_path / "weights.pt"
-    torch.save({"weight": torch.zeros(2)}, not_a_checkpoint)
     cases = {
-        "missing": ([f"ckpt_path={tmp_path / 'nope.ckpt'}"], "no such file"),
-        "truncated": ([f"ckpt_path={truncated}"], "not a readable checkpoint, the file is truncated or corrupt ("),
-        "not a checkpoint": ([f"ckpt_path={not_a_checkpoint}"], "a torch file but not a Lightning checkpoint"),
+        name: ([f"ckpt_path={path}"], f"ckpt_path={path}: {expected}")
+        for name, (path, expected) in _unreadable_checkpoints(tmp_path, good).items()
+    }
+    cases |= {
         "another model": (
             [f"ckpt_path={good}", "model.width=8"],
             "is [4, 3, 3, 3] in the checkpoint and [8, 3, 3, 3] here",
@@ -703,7 +743,24 @@ def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> No
         message = info.value.code
         assert isinstance(message, str) and "\n" not in message and expected in message, (name, message)
         assert not out.exists(), name
+    message = _error(["recipe=resnet18", *_tiny("resnet18", tmp_path), f"ckpt_path={good}"], tmp_path)
+    assert f"ckpt_path={good} does not fit this run's model: it holds class_weights, which this model lacks" in message
+    assert not (tmp_path / "out").exists()
     assert good.read_bytes() == content
+
+
+def test_a_text_file_as_checkpoint_stops_train_py_with_one_line_and_no_run_directory(tmp_path: Path) -> None:
+    """``python train.py ckpt_path=<a text file>``: exit 1, one line on stderr, and none of the run
+    directory Hydra had made (its .hydra/ and train.log) is left; the in-process test above covers the
+    other kinds of file, which take the same way out."""
+    notes = tmp_path / "notes.ckpt"
+    notes.write_text("resume from step 4\n")
+    result = _train([*_tiny_demo(1), f"ckpt_path={notes}"], tmp_path, "outputs/run")
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"error: ckpt_path={notes}: a text file, not a checkpoint"
+    )
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert (tmp_path / "outputs").is_dir() and not (tmp_path / "outputs" / "run").exists()
 
 
 def test_emulate_auto_emulates_fp16_on_the_cpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -484,15 +484,21 @@ def _stop_restarting(loop: Any) -> None:
 
 
 class InterruptCheckpoint(Callback):
-    """Saves a checkpoint when a fit is interrupted with Ctrl-C (``KeyboardInterrupt``), at the step
-    it reached: ``ckpt_path=`` resumes from there.
+    """Saves a checkpoint when a fit is interrupted with Ctrl-C (``KeyboardInterrupt``) or stopped by
+    SIGTERM (what SLURM, Kubernetes and ``timeout`` send), at the step it reached: ``ckpt_path=``
+    resumes from there.
+
+    SIGTERM is Lightning's to catch: its signal connector's handler (which, under SLURM with
+    auto-requeue, also keeps the requeue handlers) records it, and the loops end the fit at the end
+    of the batch with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException`, which this
+    callback meets in ``on_exception``; it installs no signal handler of its own.
 
     Not Lightning's :class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint`, which saves on any
     exception (a crash's state, a corrupt image's or a diverged run's, is seldom one to resume),
     removes the file when a fit ends, and makes every later ``fit(ckpt_path=None)`` look for a
     checkpoint to resume. Interrupted between two batches (in a batch-end hook) the checkpoint
     resumes with the next batch, as Lightning's own step checkpoints do; interrupted within a batch,
-    it resumes with that batch again.
+    it resumes with that batch again. Stopped by SIGTERM, it resumes with the next batch.
 
     Args:
         dirpath: folder of the checkpoint.
@@ -509,6 +515,10 @@ class InterruptCheckpoint(Callback):
         self.saved: Path | None = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt) and trainer.state.fn == TrainerFn.FITTING:
+        # Lightning's SIGTERMException is a SystemExit raised once its handler has recorded the signal.
+        stopped = isinstance(exception, KeyboardInterrupt) or (
+            isinstance(exception, SystemExit) and trainer.received_sigterm
+        )
+        if stopped and trainer.state.fn == TrainerFn.FITTING:
             trainer.save_checkpoint(self.path)
             self.saved = self.path.resolve()

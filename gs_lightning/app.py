@@ -38,6 +38,8 @@ from hydra.errors import HydraException, InstantiationException, OverrideParseEx
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import DictConfig, OmegaConf
 
 from gs_lightning.data.errors import DatasetError
@@ -156,6 +158,24 @@ class Run:
     datamodule: L.LightningDataModule
 
 
+class EpochsRichProgressBar(RichProgressBar):
+    """Lightning's Rich progress bar (its default where rich is installed), with the number of epochs a
+    run limited by ``trainer.max_steps`` takes: Lightning's shows ``max_epochs - 1`` as the last epoch,
+    "Epoch 0/-2" for such a run (``max_epochs=-1``)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        trainer = self.trainer
+        epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
+        batches = trainer.num_training_batches
+        if trainer.max_steps != -1 and 0 < batches < math.inf:
+            steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+            by_steps = math.ceil(trainer.max_steps / steps_per_epoch)
+            epochs = by_steps if epochs is None else min(epochs, by_steps)
+        description = f"Epoch {current_epoch}" if epochs is None else f"Epoch {current_epoch}/{epochs - 1}"
+        # As Lightning's: as wide as the validation bar's description, or the bars flicker.
+        return f"{description:{len(self.validation_description)}}"
+
+
 # Lightning's FSDPStrategy takes only an FSDPPrecision: the same method, in the plugin built on it.
 _FSDP_PLUGINS = {
     "gs_lightning.GradientScalingPlugin": "gs_lightning.lightning.FSDPGradientScalingPlugin",
@@ -198,6 +218,9 @@ def build(cfg: DictConfig) -> Run:
     _check_data_root(datamodule, cfg)
     task = _instantiate(cfg.task, model=_instantiate(cfg.model))
     callbacks = [_instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    show_progress = cfg.trainer.get("enable_progress_bar", True) is not False
+    if show_progress and _RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(EpochsRichProgressBar())  # the bar Lightning would pick, with the epoch count
     for callback in callbacks:
         if isinstance(callback, ResumeCallback):
             callback.recipe = _recipe_name()

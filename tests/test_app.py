@@ -771,3 +771,32 @@ def test_emulate_auto_emulates_fp16_on_the_cpu(tmp_path: Path, caplog: pytest.Lo
         _say_how_fp16_runs(built.trainer)
     assert built.trainer.precision_plugin.emulate is True
     assert "fp16: emulated on the CPU" in caplog.text and "precision.emulate=auto" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("limits", "descriptions"),
+    [
+        (["trainer.max_steps=5"], ["Epoch 0/1", "Epoch 1/1"]),  # 3 steps an epoch: 2 epochs
+        (["trainer.max_epochs=5", "trainer.max_steps=4"], ["Epoch 0/1", "Epoch 1/1"]),
+        (["trainer.max_steps=4", "trainer.accumulate_grad_batches=2"], ["Epoch 0/1", "Epoch 1/1"]),
+    ],
+)
+def test_rich_progress_bar_counts_the_epochs_of_a_run_limited_by_steps(
+    limits: list[str], descriptions: list[str], tmp_path: Path
+) -> None:
+    """Where rich is installed, the app's progress bar is Lightning's Rich bar, whose epoch count a
+    run limited by max_steps (max_epochs=-1) showed as "Epoch 0/-2"; it shows the last epoch's number."""
+    from gs_lightning.app import EpochsRichProgressBar
+
+    seen: list[str] = []
+
+    class Description(Callback):
+        def on_train_epoch_start(self, trainer: L.Trainer, *args: object) -> None:
+            seen.append(trainer.progress_bar_callback._get_train_description(trainer.current_epoch).strip())
+
+    cfg = _demo_like(tmp_path / "out", tmp_path, *limits, "test=false", "++trainer.enable_progress_bar=true")
+    built = build(cfg)
+    assert isinstance(built.trainer.progress_bar_callback, EpochsRichProgressBar)
+    built.trainer.callbacks.append(Description())
+    built.trainer.fit(built.task, datamodule=built.datamodule)
+    assert seen == descriptions

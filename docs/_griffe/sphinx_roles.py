@@ -12,7 +12,9 @@ docstring of it:
   annotations: the reference is a link wherever the target is rendered on the site, and plain code where it is not,
   so ``mkdocs build --strict`` never fails on a reference to something the API pages leave out. A target that is
   neither in the package nor dotted (so cannot be anything rendered) becomes plain inline code.
-* A class documented by ``__doc__ = Other.__doc__`` (invisible to static analysis) gets ``Other``'s docstring.
+* A class documented by ``__doc__ = Other.__doc__`` (invisible to static analysis) gets ``Other``'s docstring, and a
+  public module-level name bound to a class made at import time (``X = make_classes()["X"]``) is documented as that
+  class, from the imported module.
 * A paragraph ending in ``::`` followed by an indented block becomes the paragraph ending in ``:`` (or nothing, for
   a lone or space-separated ``::``) and a fenced code block, highlighted as Python when the block parses as Python.
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import ast
 import html
+import importlib
+import inspect
 import re
 import textwrap
 from collections import defaultdict
@@ -126,7 +130,8 @@ def iter_objects(obj: griffe.Object):
 def _role_replacement(match: re.Match[str], owner: griffe.Object, resolver: Resolver) -> str:
     role, body = match["role"], " ".join(match["body"].split())
     explicit = _EXPLICIT_TITLE_RE.match(body)
-    title, target = (explicit["title"], explicit["target"].strip()) if explicit else (None, body)
+    title, target = (explicit["title"], explicit["target"]) if explicit else (None, body)
+    target = "".join(target.split())  # a path wrapped over a line break is still one path
     no_link = target.startswith("!")
     short = target.startswith("~")
     target = target.lstrip("!~").lstrip(".")
@@ -249,10 +254,53 @@ def _borrowed_docstring(cls: griffe.Object) -> griffe.Docstring | None:
     )
 
 
+def _document_runtime_classes(module: griffe.Module, loader: griffe.GriffeLoader) -> None:
+    """Replace ``module``'s public names bound to classes made at import time by those classes.
+
+    ``GradientScalingPlugin = _PLUGINS["GradientScalingPlugin"]`` is an attribute without a docstring to static
+    analysis, so mkdocstrings would leave the class out. Only names bound by a call or a subscript are candidates,
+    and the module is imported only when it has one; a class counts if it says it was made here under that name.
+    """
+    candidates = [
+        member
+        for name, member in module.members.items()
+        if not name.startswith("_")
+        and not member.is_alias
+        and member.is_attribute
+        and isinstance(member.value, (griffe.ExprCall, griffe.ExprSubscript))
+    ]
+    if not candidates:
+        return
+    runtime = importlib.import_module(module.path)
+    for attribute in candidates:
+        value = getattr(runtime, attribute.name, None)
+        if not (isinstance(value, type) and value.__module__ == module.path and value.__qualname__ == attribute.name):
+            continue
+        cls = griffe.Class(
+            attribute.name,
+            lineno=attribute.lineno,
+            endlineno=attribute.endlineno,
+            # Shown by name, cross-referenced by path, as mkdocstrings shows the bases it reads from source.
+            bases=[griffe.ExprName(base.__qualname__, parent=base.__module__) for base in value.__bases__],
+        )
+        if value.__doc__:
+            cls.docstring = griffe.Docstring(
+                inspect.cleandoc(value.__doc__),
+                lineno=attribute.lineno,
+                endlineno=attribute.endlineno,
+                parent=cls,
+                parser=loader.docstring_parser,
+                parser_options=loader.docstring_options,
+            )
+        module.set_member(attribute.name, cls)
+
+
 class SphinxRoles(griffe.Extension):
     """Rewrites each docstring of a loaded package from Sphinx markup to Markdown (see the module docstring)."""
 
-    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+    def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
+        for module in [obj for obj in iter_objects(pkg) if obj.is_module]:
+            _document_runtime_classes(module, loader)
         resolver = Resolver(pkg)
         objects = list(iter_objects(pkg))
         for obj in objects:

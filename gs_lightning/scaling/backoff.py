@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gs_lightning.scaling.bounds import MAX_LOG2_TOTAL
 from gs_lightning.scaling.drift import overflow_caps, overflow_leaves
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.recipe import ScalingRecipe
@@ -34,7 +33,8 @@ class SkipBackoff:
 
     def total_cap(self) -> int | None:
         """The log2 cap on every accumulated scale: the back-off's, the recipe's ``max_total_scale`` and fp32's range."""
-        caps = [c for c in (self.cap, log2_floor(self.recipe.max_total_scale), MAX_LOG2_TOTAL) if c is not None]
+        recipe = self.recipe
+        caps = [c for c in (self.cap, log2_floor(recipe.max_total_scale), recipe.max_log2_total_scale) if c is not None]
         return min(caps) if caps else None
 
     def skipped(self, ran: Sequence[GraphScales]) -> None:

@@ -131,7 +131,13 @@ class ScaledBackwards:
     def new_drift(self) -> GradientDrift:
         """The drift monitor of a new graph structure."""
         recipe = self.recipe
-        return GradientDrift(recipe.update_interval, self.format.max, recipe.drift_tolerance_log2, recipe.level_steps)
+        return GradientDrift(
+            recipe.update_interval,
+            self.format.max,
+            recipe.drift_tolerance_log2,
+            recipe.level_steps,
+            recipe.update_after_zero_gradient,
+        )
 
     def updates_next(self) -> bool:
         """Whether the next backward is an update iteration (compiled modules then run their forward eagerly)."""
@@ -207,7 +213,7 @@ class ScaledBackwards:
                 if prepared is not None:
                     return prepared
             scales = self.graphs.of(
-                graph, self.new_drift(), keep_others=not self.compiled
+                graph, self.new_drift(), self.recipe.max_graphs, keep_others=not self.compiled
             )  # compiled modules replay one plan
             update = scales.updates_next(self.recipe.update_interval)
         else:

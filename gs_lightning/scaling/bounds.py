@@ -30,12 +30,6 @@ from gs_lightning.scaling.underflow import (
     sufficient_log2_scale,
 )
 
-# Accumulated scales stay at or below 2^MAX_LOG2_TOTAL, where fp32 (the arithmetic that applies a
-# factor, and the scalar it is given as) represents every factor and its inverse as a normal
-# number: beyond 2^127 a factor is inf (gradients of 1e-42 in fp32 asked for 2^140 and came back
-# NaN). Gradients needing more lie far below every low-precision format's range anyway.
-MAX_LOG2_TOTAL = 100
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -116,8 +110,14 @@ class ScaleBounds:
         self.recomputable: set[int] = set()
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
-        self.kept_downstream = kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
-        self._gains = node_gains(graph, analysis)  # before the backward frees what the nodes saved
+        recipe = settings.recipe
+        self.kept_downstream = (
+            kept_downstream(graph, analysis, {i: self.expected_total(i) for i in self.expected})
+            if recipe.kept_downstream_cap
+            else {}
+        )
+        # before the backward frees what the nodes saved
+        self._gains = node_gains(graph, analysis) if recipe.gain_bounds else []
         self._gains_after: dict[int, torch.Tensor] | None = None
 
     @property

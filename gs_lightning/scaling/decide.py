@@ -214,7 +214,8 @@ class NodeDecisions:
         ``summed``: the parts are added (a branch), so the bound is on their sum, Σ max|∇X_i| / α_i,
         not on each part; it is checked even when they share a scale if the sum is taken in a low
         precision, where it can overflow though every part is finite (a weight used three times
-        under autocast). Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`. Taken on the
+        under autocast): :attr:`ScalingRecipe.branch_sum_bound`, without which each part is bounded
+        alone. Either bound keeps :attr:`ScalingRecipe.replay_headroom_log2`. Taken on the
         parts' device: the scale is returned there, unread.
 
         A sum taken in a wider format than the gradients' (fp32 under autocast: a Transformer's
@@ -231,7 +232,8 @@ class NodeDecisions:
         device = parts[0][0].device
         if summed and not low_precision and self.settings.recipe.wide_branch_scale == "smallest":
             return self.bounds.capped(exponent_vector(alphas, device).amin() if on_device else min(alphas), i)
-        low_precision_sum = summed and len(parts) > 1 and low_precision
+        sum_bound = summed and self.settings.recipe.branch_sum_bound
+        low_precision_sum = sum_bound and len(parts) > 1 and low_precision
         known_equal = all(a is alphas[0] for a in alphas) or (not on_device and len(set(alphas)) == 1)
         if known_equal and not low_precision_sum:
             return alphas[0]
@@ -240,7 +242,7 @@ class NodeDecisions:
         same_dtype = all(v.dtype == pairs[0].dtype for v in pairs)  # else parts of several dtypes: each widened
         low_high = (torch.stack(pairs).double() if same_dtype else torch.stack([v.double() for v in pairs])).view(-1, 2)
         true_maxima = low_high.abs().amax(dim=1) * torch.exp2(-exponents)  # NaN where a part holds one
-        largest = true_maxima.sum() if summed else true_maxima.amax()
+        largest = true_maxima.sum() if sum_bound else true_maxima.amax()
         gain = self.bounds.gains_after.get(i)
         largest = largest if gain is None else largest * gain.to(device)
         headroom = self.settings.recipe.replay_headroom_log2
@@ -261,7 +263,9 @@ class NodeDecisions:
         operands = [(k, op) for k, op in operands if op.operand is not None]
         node = self.graph.nodes[i]
         weight_bounds = (
-            WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i]) if name in WEIGHT_GRAD_BOUNDS else {}
+            WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i])
+            if name in WEIGHT_GRAD_BOUNDS and s.recipe.weight_grad_bounds
+            else {}
         )
         if (
             not operands and self.analysis.gemms[i] and not weight_bounds
@@ -448,6 +452,7 @@ class NodeDecisions:
         """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
         device = grad_extremes[0].device
         upper = overflow_max_log2_scale(magnitude(grad_extremes), self.settings.lambda_max)
+        # ceil(upper) - 1: the highest scale strictly below the overflow; the headroom below that
         beta = where_or(finite(upper), torch.ceil(upper) - 1.0 - self.settings.recipe.opaque_probe_headroom_log2, 0.0)
         ceiling = self.bounds.ceiling(i, alpha, device)
         beta = beta if ceiling is None else torch.minimum(beta, ceiling)
@@ -455,7 +460,8 @@ class NodeDecisions:
         return beta
 
     def settle_opaque(self, i: int, out: list[torch.Tensor | None], alpha: Exponent) -> Exponent:
-        """Scale an opaque region as a dynamic loss scale would: one binade below the overflow of what entered or left it.
+        """Scale an opaque region as a dynamic loss scale would: :attr:`ScalingRecipe.opaque_margin_log2` binades below
+        the overflow of what entered or left it.
 
         What left it was computed at the probe scale; it is shifted (exactly, a power of two) to the
         scale chosen, which the iterations until the next update replay. Returns the scale its
@@ -473,7 +479,8 @@ class NodeDecisions:
         upper = torch.stack(
             [upper_in, *(probe_scale + overflow_max_log2_scale(m, self.settings.lambda_max) for m in maxima)]
         ).amin()
-        beta = where_or(finite(upper), torch.ceil(upper) - 2.0, 0.0)  # one binade of margin below the largest
+        # ceil(upper) - 1: the highest scale strictly below the overflow; the margin below that
+        beta = where_or(finite(upper), torch.ceil(upper) - (1.0 + self.settings.recipe.opaque_margin_log2), 0.0)
         ceiling = self.bounds.ceiling(i, alpha_in, device)
         beta = beta if ceiling is None else torch.minimum(beta, ceiling)
         beta = torch.where(decided, beta, probe_scale) if maxima else beta

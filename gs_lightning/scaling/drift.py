@@ -17,7 +17,8 @@ the loop unscales before it clips, as GradScaler loops, Lightning, Accelerate an
   zeros at an update gives its layers nothing to decide on; such gradients are common at
   initialisation (a residual branch behind a zero-initialised BatchNorm weight, LoRA's zero B) and
   turn nonzero with the first step: an update that meets a newly all-zero weight gradient asks for
-  another on the next backward, and between updates one that turns nonzero counts as drift.
+  another on the next backward, and between updates one that turns nonzero counts as drift
+  (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.update_after_zero_gradient`).
 * **Surprise.** A weight gradient whose largest value rises above what the last update expected
   of it (the expected maxima below) may have used up part of the margin kept for it, and the next
   such batch may overflow: where its layer's scale no longer keeps that margin above the new value
@@ -52,7 +53,6 @@ import torch
 from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import GraphAnalysis, Slot, weight_path
 from gs_lightning.scaling.plan import Exponent, ScalePlan
-from gs_lightning.scaling.recipe import ScalingRecipe
 
 Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, node by node
 
@@ -81,7 +81,8 @@ class DriftReading:
         surprised: Leaf index -> the largest value of each gradient that rose above what was
             expected of it (beyond :data:`ROUNDING_LOG2`).
         tolerance_log2: The shrink that asks for an update
-            (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.drift_tolerance_log2`); ``None``: none does.
+            (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.drift_tolerance_log2`); ``None``: none does
+            (a reading of no step, which has no drift to judge).
     """
 
     drift_log2: float = math.nan
@@ -89,7 +90,7 @@ class DriftReading:
     measured: frozenset[int] = frozenset()
     surprise_log2: float = -math.inf
     surprised: Mapping[int, float] = field(default_factory=dict)
-    tolerance_log2: float | None = ScalingRecipe.drift_tolerance_log2
+    tolerance_log2: float | None = None
 
     @property
     def some_overflowed(self) -> bool:
@@ -112,8 +113,12 @@ class DriftReading:
 class GradientDrift:
     """The largest magnitude of each weight gradient, on update iterations and between them.
 
+    The first five attributes are the recipe's (:class:`~gs_lightning.scaling.recipe.ScalingRecipe`), given by
+    whoever makes one (:meth:`ScaledBackwards.new_drift <gs_lightning.scaling.backward.ScaledBackwards.new_drift>`),
+    never defaulted.
+
     Attributes:
-        window: How many steps :meth:`expect` looks back on.
+        window: How many steps :meth:`expect` looks back on (``update_interval``).
         reference: log2 scale -> (leaf indices, largest magnitude of their gradients) measured on
             the last update iteration.
         zero_at_update: Leaf indices whose gradient was all zeros on the last update iteration.
@@ -123,14 +128,18 @@ class GradientDrift:
             (unscaled) gradient; where it overflowed, λmax over the scale it carried, the least it was.
         lambda_max: λmax of the gradients' format.
         tolerance_log2: The shrink that asks for an update (``None``: none does).
-        level_steps: How many steps a level is the median of.
+        level_steps: How many steps a level is the median of (1: the step's own value).
+        zero_updates: Whether an update meeting a newly all-zero weight gradient asks for another, and one
+            waking between updates counts as drift
+            (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.update_after_zero_gradient`).
         last: The reading of the last step.
     """
 
-    window: int = 100
-    lambda_max: float = math.inf
-    tolerance_log2: float | None = ScalingRecipe.drift_tolerance_log2
-    level_steps: int = ScalingRecipe.level_steps
+    window: int
+    lambda_max: float
+    tolerance_log2: float | None
+    level_steps: int
+    zero_updates: bool
     reference: dict[int, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     zero_at_update: frozenset[int] = frozenset()
     expected: dict[int, float] = field(default_factory=dict)
@@ -181,7 +190,8 @@ class GradientDrift:
         measured = {alpha: (tuple(sorted(leaves)), _largest(values)) for alpha, (leaves, values) in groups.items()}
         if self._update and not non_finite:
             zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0)
-            drift = math.inf if zero - self.zero_at_update else 0.0  # decided on no values: once more, next backward
+            # decided on no values: once more, next backward
+            drift = math.inf if self.zero_updates and zero - self.zero_at_update else 0.0
             self.reference = {
                 alpha: (leaves, self._group_level(leaves, largest)) for alpha, (leaves, largest) in measured.items()
             }
@@ -192,7 +202,7 @@ class GradientDrift:
                 for alpha, (leaves, largest) in measured.items()
                 if alpha in self.reference and self.reference[alpha][0] == leaves
             ]
-            woke = any(
+            woke = self.zero_updates and any(
                 at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update
             )  # only these are looked at between updates
             drift = math.inf if woke else self._largest_shrink(comparable)
@@ -254,9 +264,8 @@ class GradientDrift:
     def _level(self, leaves: tuple[int, ...], largest: float) -> float:
         """The median of a scale group's largest values over the last :attr:`level_steps` steps, this one's (``largest``) included."""
         # step.get(leaf, 0.0) by map, twice as fast as a generator: this runs for every group on every step
-        steps = [
-            max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in self.recent[-(self.level_steps - 1) :]
-        ]
+        earlier = self.recent[-(self.level_steps - 1) :] if self.level_steps > 1 else []  # [-0:] would be all
+        steps = [max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in earlier]
         return statistics.median_low([*steps, largest])
 
     def keep_overflows_of(self, leaves: set[int] | frozenset[int]) -> None:
@@ -470,9 +479,7 @@ class LayerBackoff:
         self.caps = {int(i): (int(cap), int(since)) for i, cap, since in state}
 
 
-def overflow_caps(
-    analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int], bits: int = ScalingRecipe.backoff_bits
-) -> dict[int, int]:
+def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int], bits: int) -> dict[int, int]:
     """Node -> log2 cap that lowers the layers an overflow between updates came from, and no other.
 
     A non-finite weight gradient at a GEMM came from that GEMM (its weight gradient overflowed) or

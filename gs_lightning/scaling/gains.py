@@ -31,7 +31,7 @@ def kept_downstream(graph: AutogradGraph, analysis: GraphAnalysis, gemm_totals: 
     overflow on every batch in between (ResNet-8's logits gradient, scaled for its smallest values
     of a converged batch, overflowed on a hard one although the layer it feeds sat 2^5 lower). A
     gradient reaching a leaf or an uncapped GEMM keeps any scale. Nodes without a finite bound are
-    left out.
+    left out. Applied where :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.kept_downstream_cap` is on.
     """
     kept: dict[int, float] = {}
 
@@ -102,7 +102,8 @@ def saved_gradient_gain(node: Node) -> torch.Tensor | None:
 
 def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int, torch.Tensor]]:
     """(node, how much it can multiply the gradient it passes on) where that is known, 0-dim tensors on the device,
-    unread (:func:`bounded_gains` bounds them): a batch norm's gain
+    unread (:func:`bounded_gains` bounds them; taken where
+    :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.gain_bounds` is on): a batch norm's gain
     (:func:`~gs_lightning.scaling.graph.batch_norm_gains`, all computed together), a product by a constant
     (:func:`constant_factor`), a saved first-order gradient (:func:`saved_gradient_gain`)."""
     candidates = analysis.derive(

@@ -345,7 +345,8 @@ def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[i
 # Per GEMM node type: upper bounds on the largest weight (and bias) gradient it outputs from the
 # incoming ∇Y, for its inputs that are parameters, by what they bound. The paper bounds only ∇X;
 # but a weight gradient sums over batch × positions, so at scales that keep ∇X above λmin it is
-# the first to overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost.
+# the first to overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost
+# (ScalingRecipe.weight_grad_bounds; bench/weight_grad_overflow.py runs without them).
 # Under activation checkpointing the input is not readable: the bound is left out and an overflow
 # skips the step.
 WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], dict[Limit, torch.Tensor]]] = {

@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 
 Path = tuple[int, ...]  # () for the loss's graph; (c,) for the inner graph of its reentrant checkpoint node c, ...
 
-# Structures kept at once: a model whose graph changes with its input (dynamic control flow) would
-# otherwise keep one plan per variant it ever ran. The least recently run goes first.
-MAX_GRAPHS = 8
-
 
 class GraphScales:
     """The scaling state of one backward graph structure (node types and wiring).
@@ -205,7 +201,8 @@ class GraphScales:
 
 
 class GraphRegistry:
-    """The :class:`GraphScales` of each structure the scaler ran, least recently run first (at most :data:`MAX_GRAPHS`)."""
+    """The :class:`GraphScales` of each structure the scaler ran, least recently run first (at most
+    :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.max_graphs`)."""
 
     def __init__(self) -> None:
         self._graphs: list[GraphScales] = []
@@ -221,8 +218,9 @@ class GraphRegistry:
         """The structure that ran last (``None`` before the first backward)."""
         return self._graphs[-1] if self._graphs else None
 
-    def of(self, graph: AutogradGraph, new_drift: GradientDrift, keep_others: bool = True) -> GraphScales:
-        """``graph``'s structure's state, made the current one; a new one (with ``new_drift``) if it never ran.
+    def of(self, graph: AutogradGraph, new_drift: GradientDrift, max_graphs: int, keep_others: bool) -> GraphScales:
+        """``graph``'s structure's state, made the current one; a new one (with ``new_drift``) if it never ran, the
+        least recently run going where more than ``max_graphs`` would be kept.
 
         ``keep_others=False``: a new structure replaces every other (compiled modules replay one plan).
         """
@@ -232,7 +230,7 @@ class GraphRegistry:
                 self._graphs.append(found)
                 return found
         found = GraphScales(tuple(graph.names), tuple(graph.edges), new_drift)
-        self._graphs = [*self._graphs, found][-MAX_GRAPHS:] if keep_others else [found]
+        self._graphs = [*self._graphs, found][-max_graphs:] if keep_others else [found]
         return found
 
     def clear_analyses(self) -> None:

@@ -32,16 +32,13 @@ import torch
 from torch.autograd.graph import Node
 
 from gs_lightning.scaling.graph import ATTENTION_NODES, DEFORM_CONV, RNN_NODES, saved_function_tensor, saved_tensor
-from gs_lightning.scaling.recipe import ScalingRecipe
-
-# The budgets' defaults are the recipe's (ScalingRecipe.probe_elements, weight_probe_elements, weight_probe_macs).
 
 
-def weight_probe_elements(
-    grad: torch.Tensor, elements: int = ScalingRecipe.weight_probe_elements, macs: int = ScalingRecipe.weight_probe_macs
-) -> int:
+def weight_probe_elements(grad: torch.Tensor, elements: int, macs: int) -> int:
     """How many weight-gradient values a probe may compute from the incoming ``grad`` (channels on dim 1):
-    at most ``elements``, each summing over the batch and every position, ``macs`` multiply-adds in all."""
+    at most ``elements``, each summing over the batch and every position, ``macs`` multiply-adds in all (the
+    recipe's :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.weight_probe_elements` and
+    :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.weight_probe_macs`)."""
     summed = grad.numel() // grad.shape[1] if grad.dim() > 1 and grad.shape[1] else 1  # batch × positions
     return max(1, min(elements, macs // max(1, summed)))
 
@@ -51,7 +48,8 @@ def probe(
     grad: torch.Tensor,
     edge: int,
     operand: torch.Tensor | None,
-    elements: int = ScalingRecipe.probe_elements,
+    elements: int,
+    scores_elements: int | None = None,
 ) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient ``node`` sends along ``edge``.
 
@@ -62,17 +60,23 @@ def probe(
         operand: The other GEMM operand, laid out as the node saved it (e.g. ``mat2`` of an
             ``addmm``, which for ``Linear`` is the weight transposed), or ``None`` to read the
             saved one. Unused by attention nodes.
-        elements: Upper bound on the number of values returned.
+        elements: Upper bound on the number of values returned (the recipe's
+            :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.probe_elements`, or a weight-gradient budget).
+        scores_elements: Fused attention: the largest score matrix built at once (longer sequences go in
+            chunks of query rows, the same values); ``None``: :data:`SCORES_ELEMENTS`.
 
     Returns:
         At most ``elements`` fp32 values (flattened or not), or ``None`` when they
         cannot be computed (unsupported node or edge, unreadable saved tensors).
     """
-    compute = _PROBES.get(type(node).__name__)
-    if compute is None or grad is None:
+    name = type(node).__name__
+    compute = _PROBES.get(name)
+    if (compute is None and name not in ATTENTION_NODES) or grad is None:
         return None
     with torch.no_grad(), _fp32(grad.device):
         # Each probe converts to fp32 what it slices, not the whole gradient (two or three probes per node).
+        if compute is None:  # fused attention, with its own budget for the score matrices
+            return _at_most(_attention(node, detached(grad), edge, elements, scores_elements), elements)
         return _at_most(compute(node, detached(grad), edge, operand, elements), elements)
 
 
@@ -371,12 +375,13 @@ def _deform_convolution(
 
 # --- Fused attention ---------------------------------------------------------------------------
 
-# Largest attention score matrix a probe builds at once (elements): long sequences go in chunks.
-_SCORES_LIMIT = 2**24
+# Largest attention score matrix a probe builds at once (elements): long sequences go in chunks of query
+# rows. Memory, not a rule: the values are the same whatever the chunks.
+SCORES_ELEMENTS = 2**24
 
 
 def _attention(
-    node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
+    node: Node, grad: torch.Tensor, edge: int, elements: int, scores_elements: int | None
 ) -> torch.Tensor | None:
     """∇query (edge 0), ∇key (1) or ∇value (2) of fused attention, on a subset of (batch, head[, row]).
 
@@ -420,8 +425,9 @@ def _attention(
     q, do = query[bi][:, query_heads].float(), grad[bi][:, query_heads].float()
     k, v = key[bi][:, query_heads // group].float(), value[bi][:, query_heads // group].float()
     generator = torch.Generator(device=device).manual_seed(0) if dropout > 0.0 else None
-    # Query rows in chunks, so that the score matrices stay under _SCORES_LIMIT elements.
-    chunk = max(1, _SCORES_LIMIT // (q.shape[0] * q.shape[1] * kv_length))
+    # Query rows in chunks, so that the score matrices stay under scores_elements.
+    limit = SCORES_ELEMENTS if scores_elements is None else scores_elements
+    chunk = max(1, limit // (q.shape[0] * q.shape[1] * kv_length))
     dq_rows, total = [], None
     for start in range(0, len(query_rows), chunk):
         rows = query_rows[start : start + chunk]
@@ -479,9 +485,7 @@ _LSTM = 2
 RNN_PROBED: dict[str, frozenset[int]] = {name: frozenset(edges) for name, edges in RNN_NODES.items()}
 
 
-def rnn_probe(
-    node: Node, grads: Sequence[torch.Tensor | None], edge: int, elements: int = ScalingRecipe.probe_elements
-) -> torch.Tensor | None:
+def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int, elements: int) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient a fused RNN node sends along ``edge``.
 
     The sequences of a batch are independent, so the node's whole recurrence (every layer,
@@ -633,8 +637,7 @@ _PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None, int],
     "MmBackward0": _matmul_probe(0, 1, "self", "mat2"),
     "BmmBackward0": _matmul_probe(0, 1, "self", "mat2"),
     "BaddbmmBackward0": _matmul_probe(1, 2, "batch1", "batch2"),
-    **dict.fromkeys(ATTENTION_NODES, _attention),
     DEFORM_CONV: _deform_convolution,
 }
 
-PROBED: frozenset[str] = frozenset(_PROBES)
+PROBED: frozenset[str] = frozenset({*_PROBES, *ATTENTION_NODES})  # attention: _attention, with its own budget

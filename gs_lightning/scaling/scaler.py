@@ -109,9 +109,7 @@ class GradientScaler:
         self._attached = AttachedModels()
         self._backoff = SkipBackoff(self.recipe)
         # Keeps what the replay needs to recompute weight gradients that overflow.
-        self._read = StepRead(
-            WeightGradRecompute(self.format.max), self.format.max, self.recipe.expected_maxima_margin_log2
-        )
+        self._read = StepRead(WeightGradRecompute(self.format.max), self.format.max, self.recipe)
         self._backwards = ScaledBackwards(
             self.recipe,
             self.format,
@@ -368,8 +366,19 @@ class GradientScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict`: the next backwards reuse the saved scales."""
-        _check_state(state, self.recipe)
+        """Restore a state from :meth:`state_dict`: its recipe and scales; the next backwards reuse the saved scales.
+
+        As ``torch.amp.GradScaler.load_state_dict`` restores the scale's settings (growth factor and interval,
+        back-off factor) with its value, the checkpoint's :class:`~gs_lightning.scaling.recipe.ScalingRecipe`
+        replaces the one this scaler was built with: the scales saved were decided by it, and the run
+        goes on as the saved one would. Where the two differ, one ``RuntimeWarning`` names each field that
+        changed. A state saved before the recipe was (no ``"recipe"`` key) keeps this scaler's. To resume
+        under another recipe, build a scaler with it and do not load the state: it decides its scales
+        on its first backward.
+        """
+        _check_state(state)
+        if "recipe" in state:
+            self._use_recipe(ScalingRecipe.from_state_dict(state["recipe"]))
         backwards = self._backwards
         backwards.iteration, backwards.update_iterations = (
             int(state["iteration"]),
@@ -401,6 +410,22 @@ class GradientScaler:
         if self._steps.any_stepped:
             self.update()
 
+    def _use_recipe(self, recipe: ScalingRecipe) -> None:
+        """Decide by ``recipe`` from now on (a checkpoint's), saying once which fields it changed."""
+        changed = self.recipe.differences(recipe)
+        if not changed:
+            return
+        warnings.warn(
+            "GradientScaler.load_state_dict: resuming with the checkpoint's recipe, which differs from the one "
+            "this scaler was built with in "
+            + ", ".join(f"{k}={now!r} (built with {was!r})" for k, (was, now) in changed.items()),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.recipe = recipe
+        # Each part reads its recipe when it acts (the graphs' drift monitors are made again as the state loads).
+        self._backoff.recipe = self._read.recipe = self._backwards.recipe = recipe
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -423,20 +448,12 @@ def _unflatten(outputs: Outputs, tensors: Iterator[torch.Tensor]) -> Outputs:
     return type(outputs)(_unflatten(item, tensors) for item in outputs)
 
 
-def _check_state(state: dict[str, Any], recipe: ScalingRecipe) -> None:
-    """Refuse what is not a GradientScaler's state; warn where its recipe differs from ``recipe``, which applies."""
+def _check_state(state: dict[str, Any]) -> None:
+    """Refuse what is not a GradientScaler's state."""
     missing = {"iteration", "skipped_steps", "backoff"} - state.keys()
     if missing or not {"graphs", "layers"} & state.keys():
         raise ValueError(
             f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing or {'graphs'})}; got keys "
             f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
             "GradientScaler fresh, it decides its scales on its first backward."
-        )
-    changed = recipe.differences(ScalingRecipe.from_state_dict(state["recipe"])) if "recipe" in state else {}
-    if changed:
-        warnings.warn(
-            "GradientScaler.load_state_dict: resuming with this scaler's recipe, which differs from the "
-            "checkpoint's in " + ", ".join(f"{k}={now!r} (was {was!r})" for k, (now, was) in changed.items()),
-            RuntimeWarning,
-            stacklevel=3,
         )

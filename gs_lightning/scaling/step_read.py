@@ -21,6 +21,7 @@ from gs_lightning.scaling.drift import largest_magnitudes, within_margin
 from gs_lightning.scaling.finite import unscale_and_check_
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.profiled import profiled
+from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 
 
@@ -30,17 +31,19 @@ class StepRead:
     Args:
         recompute: What the replay of the loss's graph kept to recompute weight gradients that overflow.
         lambda_max: λmax of the gradients' format.
-        margin_log2: :attr:`ScalingRecipe.expected_maxima_margin_log2` (``None``: no expected maxima).
+        recipe: The scaler's recipe (:attr:`ScalingRecipe.expected_maxima_margin_log2` and
+            :attr:`ScalingRecipe.expect_surprise_within_margin` are read here); the scaler replaces it
+            where a checkpoint's is restored.
 
     Attributes:
         recompute_graph: The structure whose replay registered :attr:`recompute`'s keepers.
         recomputed_steps: Steps taken although a weight gradient overflowed: it was recomputed in fp32.
     """
 
-    def __init__(self, recompute: WeightGradRecompute, lambda_max: float, margin_log2: float | None) -> None:
+    def __init__(self, recompute: WeightGradRecompute, lambda_max: float, recipe: ScalingRecipe) -> None:
         self.recompute = recompute
         self.lambda_max = lambda_max
-        self.margin_log2 = margin_log2
+        self.recipe = recipe
         self.recompute_graph: GraphScales | None = None
         self.recomputed_steps = 0
         self._unread: list[GraphScales] = []
@@ -127,13 +130,16 @@ class StepRead:
         from now on, without an update. Whether it did.
 
         The update such a rise asked for before would not lower those layers on its account: SegNet's
-        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected.
+        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected
+        (:attr:`ScalingRecipe.expect_surprise_within_margin`).
         """
-        reading = graph.drift.last
+        reading, margin_log2 = graph.drift.last, self.recipe.expected_maxima_margin_log2
+        if not self.recipe.expect_surprise_within_margin or margin_log2 is None:
+            return False
         plan, analysis = graph.plans.get(()), graph.analyses.get(())
         if not reading.surprised or reading.non_finite or reading.shrank or plan is None or analysis is None:
             return False
-        highest_total = partial(expected_total, lambda_max=self.lambda_max, margin_log2=self.margin_log2)
+        highest_total = partial(expected_total, lambda_max=self.lambda_max, margin_log2=margin_log2)
         if not within_margin(analysis, plan, reading.surprised, highest_total):
             return False
         graph.drift.raise_expected(reading.surprised)

@@ -19,7 +19,6 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling import bounds
 from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.decide import NodeDecisions
 from gs_lightning.scaling.drift import (
@@ -30,7 +29,6 @@ from gs_lightning.scaling.drift import (
 )
 from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.recipe import ScalingRecipe
-from gs_lightning.scaling.step_read import StepRead
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
@@ -311,7 +309,8 @@ def test_a_resumed_scaler_continues_as_the_uninterrupted_one() -> None:
 
 
 def _reader(drift: GradientDrift, alpha: int) -> Callable[..., DriftReading]:
-    """``read(values, update=False)``: leaves 1 and 2 measured as one scale group at 2^alpha, read as having maxima ``values``."""
+    """``read(values, update=False)``: leaves 1 and 2 measured as one scale group at 2^alpha, read as having maxima
+    ``values``."""
     grads = [torch.ones(4), torch.ones(2)]
 
     def read(values: list[float], update: bool = False) -> DriftReading:
@@ -321,8 +320,16 @@ def _reader(drift: GradientDrift, alpha: int) -> Callable[..., DriftReading]:
     return read
 
 
+def _drift(window: int, lambda_max: float = math.inf, **changes: Any) -> GradientDrift:
+    """A drift monitor as a scaler with the default recipe (``changes`` applied) makes one."""
+    recipe = ScalingRecipe().replace(**changes)
+    return GradientDrift(
+        window, lambda_max, recipe.drift_tolerance_log2, recipe.level_steps, recipe.update_after_zero_gradient
+    )
+
+
 def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> None:
-    drift = GradientDrift(window=3, lambda_max=65504.0)
+    drift = _drift(3, 65504.0)
     read = _reader(drift, 5)
     assert read([3.0, 4.0], update=True).drift_log2 == 0.0  # the reference: the group's largest, 4
     grown = read([12.0, 16.0])  # 4× the update's
@@ -339,7 +346,7 @@ def test_the_drift_reading_triggers_on_shrinkage_and_names_what_overflowed() -> 
 
 
 def test_drift_is_measured_from_the_level_when_the_update_batch_was_above_it() -> None:
-    drift = GradientDrift(window=20)
+    drift = _drift(20)
     read = _reader(drift, 0)
     for value in (1.0, 1.2, 0.9, 1.1):
         read([value / 2, value])
@@ -358,7 +365,7 @@ def test_drift_is_measured_from_the_level_when_the_update_batch_was_above_it() -
 
 
 def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected() -> None:
-    drift = GradientDrift(window=10, lambda_max=65504.0)
+    drift = _drift(10, 65504.0)
     read = _reader(drift, 5)
     drift.recent = [{1: 2.0**-10, 2: 2.0**-4}] * 3
     assert drift.expect()[0] == {1: 2.0**-10, 2: 2.0**-4} == drift.expected  # what the update bounds the scales by
@@ -373,7 +380,7 @@ def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected
 def test_a_gradient_equal_to_what_was_expected_is_no_surprise() -> None:
     """The expected maxima go through log2 and exp2 (float64): an fp8 gradient's largest value, one of few
     numbers, comes back from them a few 1e-16 binades low, and equalling it asked for an update."""
-    drift = GradientDrift(window=10, lambda_max=65504.0)
+    drift = _drift(10, 65504.0)
     read = _reader(drift, 0)
     largest = 1.75 * 2.0**-9  # representable in e5m2
     drift.recent = [{1: largest, 2: largest}]
@@ -384,7 +391,7 @@ def test_a_gradient_equal_to_what_was_expected_is_no_surprise() -> None:
 
 
 def test_a_gradient_all_zeros_at_the_update_asks_for_one_more_and_drifts_when_it_wakes() -> None:
-    drift = GradientDrift(window=10)
+    drift = _drift(10)
     read = _reader(drift, 3)
     assert read([0.0, 4.0], update=True).drifted  # leaf 1 newly all zeros: decide once more
     assert read([0.0, 4.0], update=True).drift_log2 == 0.0  # still zeros: no update loop
@@ -393,17 +400,30 @@ def test_a_gradient_all_zeros_at_the_update_asks_for_one_more_and_drifts_when_it
     assert read([1e-6, 4.0], update=True).drift_log2 == 0.0 and drift.zero_at_update == frozenset()
 
 
+def test_without_the_zero_gradient_rule_an_all_zero_gradient_asks_for_nothing() -> None:
+    """ScalingRecipe.update_after_zero_gradient off: the same readings as above ask for no update."""
+    drift = _drift(10, update_after_zero_gradient=False)
+    read = _reader(drift, 3)
+    assert read([0.0, 4.0], update=True).drift_log2 == 0.0
+    assert read([1e-6, 4.0]).drift_log2 == 0.0 and not drift.last.drifted
+
+
+def test_a_level_of_one_step_is_the_step_itself() -> None:
+    """level_steps=1 (the paper preset's): a group is judged by the batch alone, not by the whole window."""
+    drift = _drift(10, level_steps=1)
+    read = _reader(drift, 0)
+    for _ in range(3):
+        read([4.0, 8.0])
+    read([4.0, 8.0], update=True)
+    assert read([0.5, 1.0]).drift_log2 == pytest.approx(3.0)  # with the default's 8 steps, the level 8 would hide it
+
+
 def test_expected_maxima_follow_a_falling_level_and_remember_spikes() -> None:
-    drift = GradientDrift(window=100)
+    drift = _drift(100)
     for t in range(12):  # leaf 1: level 2^-10, one batch 2^6 above it; leaf 2: halving every step
         drift.recent.append({1: 2.0**-10 * (2.0**6 if t == 5 else 1.0), 2: 2.0**-t})
     expected = {leaf: math.log2(value) for leaf, value in drift.expect()[0].items()}
     assert expected == {1: -4.0, 2: -8.0}  # leaf 2's window maximum would have been 2^0
-
-
-def _without_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As where no weight gradient can be recomputed (a compiled replay): the scales keep clear of every spike."""
-    monkeypatch.setattr(bounds, "recomputable", lambda *args: False)
 
 
 def _large_inputs(model: nn.Module) -> torch.Tensor:
@@ -420,7 +440,8 @@ def _hard_batches(
     log2_spikes: tuple[float, ...] = (8,) * 5,
     loss_of: Callable[[nn.Module], torch.Tensor] = _large_inputs,
 ) -> list[int]:
-    """40 steps of ``loss_of`` under fp16 autocast, every 7th batch a hard one, the n-th with gradients 2^log2_spikes[n] larger; returns the skipped steps."""
+    """40 steps of ``loss_of`` under fp16 autocast, every 7th batch a hard one, the n-th with gradients
+    2^log2_spikes[n] larger; returns the skipped steps."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     skipped = []
     for step in range(40):
@@ -435,7 +456,7 @@ def _hard_batches(
     return skipped
 
 
-def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> None:
     """Every 7th batch's gradients are 2^8 larger (a converged task whose gradient comes from a few
     hard examples). The updates between them see only easy batches; an overflow of a hard one is
     remembered as a maximum of at least λmax over the scale it carried, a spike above the level, so
@@ -447,41 +468,38 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches(monke
     scaler = GradientScaler(model)
     assert _hard_batches(scaler, model) == [] and scaler.recomputed_steps == 5
     assert any(layer.limit is Limit.RECOMPUTED_SPIKES for layer in scaler.layers())
-    _without_recomputation(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=False)  # the scales keep clear of every spike
     assert _hard_batches(scaler, model) == [6, 13] and scaler.recomputed_steps == 0
     assert any(layer.limit.expected for layer in scaler.layers())
 
 
-def test_a_batch_above_what_the_update_expected_asks_for_the_next_update(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_above_what_the_update_expected_asks_for_the_next_update() -> None:
     """Hard batches whose spikes grow by 2^2 each time: each fits in the margin kept above the
     spikes the last update saw, the next one no longer does. The batch that rose above what was
-    expected, out of its layer's margin, asks for an update, which expects it. Before, the record waited for the next update
-    and the hard batches at steps 20 and 34 overflowed. (Without recomputation, which would take
+    expected, out of its layer's margin, asks for an update, which expects it. Before, the record waited for the
+    next update and the hard batches at steps 20 and 34 overflowed. (Without recomputation, which would take
     every hard batch here.)"""
-    _without_recomputation(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=False)
     assert _hard_batches(scaler, model, (2, 4, 6, 8, 10)) == [6]  # the first hard batch: nothing to expect it from
     assert scaler.drift.surprise_log2 < 0.0  # the last batch, an easy one, stayed below what was expected
 
 
-def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update() -> None:
     """Spikes growing by a quarter binade per hard batch: a rise above what was expected asks for an update
     only where the layer that computed the gradient no longer keeps the margin above the new value at
     its scale; otherwise the value is expected from then on. The same step is skipped (the first hard
     batch) as with an update for every rise, with 4 updates instead of 6. The rule itself: a value at
     what was expected is within the margin, one 2^12 above it is not, and neither is a leaf no layer
-    computed."""
-    _without_recomputation(monkeypatch)
+    computed. (Without recomputation, which would take every hard batch here.)"""
 
-    def run() -> GradientScaler:
+    def run(**changes: Any) -> GradientScaler:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-        scaler = GradientScaler(model)
+        scaler = GradientScaler(model, recompute_weight_gradients=False, **changes)
         assert _hard_batches(scaler, model, (2, 2.25, 2.5, 2.75, 3)) == [6]
         return scaler
 
@@ -495,10 +513,8 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update(mo
     assert within_margin(analysis, plan, {leaf: expected}, highest)
     assert not within_margin(analysis, plan, {leaf: expected * 2.0**12}, highest)
     assert not within_margin(analysis, plan, {-1: expected}, highest)
-    monkeypatch.setattr(
-        StepRead, "_surprise_within_margin", lambda self, graph: False
-    )  # an update for every rise, as before
-    assert run().update_iterations > scaler.update_iterations
+    # an update for every rise, as before the rule (ScalingRecipe.expect_surprise_within_margin)
+    assert run(expect_surprise_within_margin=False).update_iterations > scaler.update_iterations
 
 
 def _few_hard_examples(model: nn.Module) -> torch.Tensor:
@@ -509,16 +525,15 @@ def _few_hard_examples(model: nn.Module) -> torch.Tensor:
     return (model(x).float().squeeze(-1) * 2.0**-log2_weights).sum() * 2.0**-10
 
 
-def test_spike_room_is_kept_where_only_precision_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spike_room_is_kept_where_only_precision_is_lost() -> None:
     """fp16's normal range asks the first layer for a scale right below what its expected weight
     gradients allow, and a hard batch 4 binades above the last one overflowed it (step 13; ResNet-8
     seed 0's skip at step 72). Below the normal range lie fp16's subnormals, where values keep fewer
     bits but do not round to zero: the layer gives up that precision for room, not the values.
-    (Where the weight gradients cannot be recomputed, so that their spikes bound the scales.)"""
-    _without_recomputation(monkeypatch)
+    (Where the weight gradients are not recomputed, so that their spikes bound the scales.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=False)
     assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples) == [6]  # nothing expected the first
     first = scaler.layers()[-1]
     assert first.limit is Limit.SPIKE_ROOM
@@ -528,7 +543,7 @@ def test_spike_room_is_kept_where_only_precision_is_lost(monkeypatch: pytest.Mon
     # With λmin the subnormal minimum, nothing below λmin is only imprecise: no room is taken.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model, lambda_min="subnormal")
+    scaler = GradientScaler(model, lambda_min="subnormal", recompute_weight_gradients=False)
     _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples)
     assert Limit.SPIKE_ROOM not in {layer.limit for layer in scaler.layers()}
 

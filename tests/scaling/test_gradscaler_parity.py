@@ -355,14 +355,16 @@ def test_grad_scaling_scale() -> None:
 def test_grad_scaling_state_dict(lazy_init: bool) -> None:
     """s1.load_state_dict(s0.state_dict()) makes s1 continue as s0, whether s1 has run a backward or not.
 
-    Upstream also checks that growth factor, backoff factor and growth interval travel with the state;
-    GradientScaler's options are its constructor's (as the plugins build it from their own options),
-    its state is counters and scales: s1 takes s0's, and its own earlier progress (upstream:
-    ``_init_growth_tracker``) is overwritten."""
+    Upstream builds s0 and s1 with different settings (init scale, growth and backoff factors, growth
+    interval) and checks that s1 has s0's after the load: GradScaler's settings travel with its state.
+    Here the settings are the recipe: s1, built with another preset and other fields, takes s0's, with
+    one warning naming each field that changed; its state (upstream: the scale and
+    ``_init_growth_tracker``) is s0's counters and scales, its own earlier progress overwritten."""
     torch.manual_seed(0)
     model0 = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     model1 = copy.deepcopy(model0)
-    s0, s1 = GradientScaler(model0, update_interval=2), GradientScaler(model1, update_interval=2)
+    s0 = GradientScaler(model0, update_interval=2, backoff_bits=3, underflow_rate=1e-4)
+    s1 = GradientScaler(model1, "paper", update_interval=5)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     for overflow in (False, True, False):
         loss = F.mse_loss(model0(x), y)
@@ -370,7 +372,16 @@ def test_grad_scaling_state_dict(lazy_init: bool) -> None:
         s0.update()
     if lazy_init:
         s1.scale(F.mse_loss(model1(x * 1e-3), y)).backward()
-    s1.load_state_dict(s0.state_dict())
+    built_with = s1.recipe
+    with pytest.warns(RuntimeWarning) as warned:
+        s1.load_state_dict(s0.state_dict())
+    assert len(warned) == 1
+    for field in built_with.differences(s0.recipe):
+        assert f"{field}={getattr(s0.recipe, field)!r} (built with {getattr(built_with, field)!r})" in str(
+            warned[0].message
+        )
+    assert s1.recipe == s0.recipe
+    assert (s1.recipe.update_interval, s1.recipe.backoff_bits, s1.recipe.underflow_rate) == (2, 3, 1e-4)
     assert s1.state_dict() == s0.state_dict()
     assert (s1.iteration, s1.skipped_steps, s1.scales()) == (s0.iteration, s0.skipped_steps, s0.scales())
     for model, scaler in ((model0, s0), (model1, s1)):

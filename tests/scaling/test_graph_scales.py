@@ -11,14 +11,15 @@ import copy
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gs_lightning import GradientScaler
+from gs_lightning import GradientScaler, ScalingRecipe
 from gs_lightning.scaling.decide import LayerScale, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift
-from gs_lightning.scaling.graph_scales import MAX_GRAPHS, GraphScales
+from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.plan import ScalePlan
 
 ITERATIONS, INTERVAL = 60, 10
@@ -161,13 +162,16 @@ def test_a_checkpoint_of_one_plan_loads() -> None:
     assert restored.update_iterations == scaler.update_iterations  # replayed
 
 
-def test_at_most_max_graphs_structures_are_kept() -> None:
-    models = [_mlp(k, depth=k + 1) for k in range(MAX_GRAPHS + 2)]
-    scaler = GradientScaler(nn.ModuleList(models))
+@pytest.mark.parametrize("max_graphs", [None, 3])
+def test_at_most_max_graphs_structures_are_kept(max_graphs: int | None) -> None:
+    """ScalingRecipe.max_graphs: the default's, and another."""
+    kept = ScalingRecipe().max_graphs if max_graphs is None else max_graphs
+    models = [_mlp(k, depth=k + 1) for k in range(kept + 2)]
+    scaler = GradientScaler(nn.ModuleList(models), **({} if max_graphs is None else {"max_graphs": max_graphs}))
     x, y = _batch(0)
     for model in models:
         scaler.scale(F.cross_entropy(model(x), y)).backward()
-    assert len(scaler.graphs) == MAX_GRAPHS
+    assert len(scaler.graphs) == kept
     before = scaler.update_iterations
     scaler.scale(F.cross_entropy(models[0](x), y)).backward()  # the least recent went first: decided again
     assert scaler.update_iterations == before + 1
@@ -176,7 +180,7 @@ def test_at_most_max_graphs_structures_are_kept() -> None:
 def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> None:
     """The rates counted on the device index the update's layers in its order; two layers of one name (the
     by-name view keeps the last) must not shift them onto another layer, nor past the end."""
-    scales = GraphScales((), (), GradientDrift(10, 65504.0, 1.0, 8))
+    scales = GraphScales((), (), GradientDrift(10, 65504.0, 1.0, 8, True))
     layers = [LayerScale(name, "gemm", 0, 0, math.nan) for name in ("a", "a", "b")]
     counts = (torch.tensor(1), torch.tensor(4))  # 1 of 4 nonzero values below λmin
     decisions = SimpleNamespace(

@@ -17,16 +17,27 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from gs_lightning.scaling import probes, underflow
+from gs_lightning.scaling.recipe import ScalingRecipe
 
 LAMBDA = 2.0**-14
 TARGET = 1e-3
 EVERYTHING = 2**30
+BUDGET = ScalingRecipe().probe_elements  # what a scaler's probes compute
 
 
-def _probe_at(output: torch.Tensor, grad: torch.Tensor, edge: int, elements: int = EVERYTHING, operand=None):
+def _probe_at(
+    output: torch.Tensor,
+    grad: torch.Tensor,
+    edge: int,
+    elements: int = EVERYTHING,
+    operand=None,
+    scores_elements: int | None = None,
+):
     """Backward ``grad`` through ``output``, probing its node on the way; returns the probe."""
     node, result = output.grad_fn, []
-    node.register_prehook(lambda grads: result.append(probes.probe(node, grads[0], edge, operand, elements=elements)))
+    node.register_prehook(
+        lambda grads: result.append(probes.probe(node, grads[0], edge, operand, elements, scores_elements))
+    )
     output.backward(grad)
     return result[0]
 
@@ -147,9 +158,8 @@ _ATTENTION = [
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row-by-row"])
 @pytest.mark.parametrize(("is_causal", "mask", "gqa"), _ATTENTION)
-def test_attention_probe_is_the_math_backward(is_causal, mask, gqa, chunked, monkeypatch) -> None:
-    if chunked:  # score matrices of one query row at a time, as for long sequences
-        monkeypatch.setattr(probes, "_SCORES_LIMIT", 1)
+def test_attention_probe_is_the_math_backward(is_causal, mask, gqa, chunked) -> None:
+    scores_elements = 1 if chunked else None  # score matrices of one query row at a time, as for long sequences
     generator = torch.Generator().manual_seed(3)
     kv_heads = 2 if gqa else 4
     q = torch.randn(2, 4, 5, 8, generator=generator)
@@ -174,11 +184,12 @@ def test_attention_probe_is_the_math_backward(is_causal, mask, gqa, chunked, mon
     for edge in range(3):
         out, inputs = attention(SDPBackend.FLASH_ATTENTION)
         assert type(out.grad_fn).__name__ in probes.PROBED
-        probe = _probe_at(out, grad, edge)
+        probe = _probe_at(out, grad, edge, scores_elements=scores_elements)
         torch.testing.assert_close(probe, reference[edge], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(probe, inputs[edge].grad, rtol=1e-5, atol=1e-5)
         out, _ = attention(SDPBackend.FLASH_ATTENTION)
-        _assert_subset(_probe_at(out, grad, edge, elements=7 * 8), reference[edge], 7 * 8)  # one head's rows, or fewer
+        sample = _probe_at(out, grad, edge, elements=7 * 8, scores_elements=scores_elements)
+        _assert_subset(sample, reference[edge], 7 * 8)  # one head's rows, or fewer
 
 
 class _Saved:
@@ -275,7 +286,9 @@ def test_onednn_lstm_probe_is_the_input_and_state_gradient(bidirectional: bool, 
     results = {}
     for node in nodes:
         node.register_prehook(
-            lambda grads, node=node: results.update({(node, e): probes.rnn_probe(node, grads, e) for e in (0, 5, 6)})
+            lambda grads, node=node: results.update(
+                {(node, e): probes.rnn_probe(node, grads, e, BUDGET) for e in (0, 5, 6)}
+            )
         )
     torch.autograd.backward([y, h, c], [torch.randn(t.shape, generator=generator) for t in (y, h, c)])
     input_grad = sum(results[(node, 0)] for node in nodes)  # time-major, summed over directions
@@ -320,10 +333,10 @@ def test_cudnn_rnn_probe_recomputes_the_whole_stack(cls, kwargs, mode) -> None:
     grad = torch.randn(y.shape, generator=generator)
     y.backward(grad)
     node = _fake_cudnn_node(rnn, x.detach(), hx, cx, mode)
-    probe = probes.rnn_probe(node, (grad, None, None), 0)
+    probe = probes.rnn_probe(node, (grad, None, None), 0, BUDGET)
     torch.testing.assert_close(probe, x.grad.transpose(0, 1), rtol=1e-5, atol=1e-6)
     node._saved_dropout = 0.2  # between layers, drawn inside cuDNN: cannot be replayed
-    assert probes.rnn_probe(node, (grad, None, None), 0) is None
+    assert probes.rnn_probe(node, (grad, None, None), 0, BUDGET) is None
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
@@ -357,7 +370,7 @@ def test_probes_ignore_autocast_around_the_backward() -> None:
     w = torch.randn(64, 32)
     y = torch.mm(x, w)
     node, result = y.grad_fn, []
-    node.register_prehook(lambda grads: result.append(probes.probe(node, grads[0], 0, None)))
+    node.register_prehook(lambda grads: result.append(probes.probe(node, grads[0], 0, None, BUDGET)))
     grad = torch.randn(16, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y.backward(grad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
@@ -51,7 +52,7 @@ def test_fields_given_as_keywords_change_the_named_preset() -> None:
     assert GradientScaler().recipe == ScalingRecipe() == ScalingRecipe.default()
 
 
-def _shrinking_loss_run(recipe: str) -> GradientScaler:
+def _shrinking_loss_run(recipe: str | ScalingRecipe) -> GradientScaler:
     """100 steps whose gradients shrink 100x (test_drift's loop): the default recipe's drift rule updates on the way."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
@@ -74,7 +75,8 @@ def test_the_paper_recipe_updates_on_schedule_only() -> None:
 
 
 def test_the_paper_recipe_decides_a_cast_by_theorem_2() -> None:
-    """ln|∇y| over the nonzero elements as N(μ, σ²): the scale is Theorem 2's bound rounded up, and no probe is measured."""
+    """ln|∇y| over the nonzero elements as N(μ, σ²): the scale is Theorem 2's bound rounded up, and no probe is
+    measured."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
@@ -116,12 +118,135 @@ def test_fp32_gradients_stay_bit_exact_under_the_paper_recipe() -> None:
     assert all(torch.equal(p.grad, g) for p, g in zip(params, plain))
 
 
-def test_the_recipe_is_saved_and_a_resume_with_another_names_what_differs() -> None:
+def test_the_recipe_is_saved_and_a_resume_restores_it_naming_what_differed() -> None:
+    """As GradScaler restores its settings: the checkpoint's recipe decides from then on; one warning names
+    each field where the recipe the scaler was built with differed."""
     model = nn.Linear(4, 4)
     saved = GradientScaler(model, "paper").state_dict()
     assert ScalingRecipe.from_state_dict(saved["recipe"]) == ScalingRecipe.paper()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GradientScaler(model, "paper").load_state_dict(saved)  # the same recipe: nothing to say
-    with pytest.warns(RuntimeWarning, match=r"update_interval=50 \(was 100\)"):
-        GradientScaler(model, "paper", update_interval=50).load_state_dict(saved)
+    resumed = GradientScaler(model, "paper", update_interval=50, backoff_bits=3)
+    with pytest.warns(RuntimeWarning) as said:
+        resumed.load_state_dict(saved)
+    assert len(said) == 1
+    assert "update_interval=100 (built with 50), backoff_bits=2 (built with 3)" in str(said[0].message)
+    assert resumed.recipe == ScalingRecipe.paper()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(saved)  # now the checkpoint's: nothing more to say
+
+
+# The fields as the class docstring groups them; the paper preset changes exactly the last group and the
+# two paper settings the default departs from.
+ALGORITHM_1 = {"underflow_rate", "update_interval", "lambda_min", "relu_factor", "max_layer_scale", "max_total_scale"}
+MEASUREMENT = {"exact_probes", "probe_elements", "weight_probe_elements", "weight_probe_macs"}
+PAPER_SILENT = {
+    "weight_grad_bounds",
+    "branch_sum_bound",
+    "gain_bounds",
+    "opaque_probe_headroom_log2",
+    "opaque_margin_log2",
+    "backoff_bits",
+    "min_backoff_log2",
+    "max_log2_total_scale",
+    "max_graphs",
+}
+BEYOND_PAPER = {
+    "replay_headroom_log2",
+    "weight_grad_margin_log2",
+    "wide_branch_scale",
+    "drift_tolerance_log2",
+    "update_after_zero_gradient",
+    "level_steps",
+    "expected_maxima_margin_log2",
+    "kept_downstream_cap",
+    "expect_surprise_within_margin",
+    "spike_room_log2",
+    "recompute_weight_gradients",
+    "recomputed_spike_share",
+}
+
+
+def test_the_paper_preset_differs_from_the_default_in_exactly_the_rules_beyond_the_paper() -> None:
+    fields = [f.name for f in dataclasses.fields(ScalingRecipe)]
+    assert sorted(fields) == sorted(ALGORITHM_1 | MEASUREMENT | PAPER_SILENT | BEYOND_PAPER)
+    assert len(fields) == len(ALGORITHM_1) + len(MEASUREMENT) + len(PAPER_SILENT) + len(BEYOND_PAPER)
+    differs = set(ScalingRecipe.paper().differences(ScalingRecipe()))
+    assert differs == BEYOND_PAPER | {"lambda_min"} | {"exact_probes"}
+    docstring = ScalingRecipe.__doc__
+    for field in fields:  # each field documented in its group, in that order
+        assert re.search(rf"^        {field}: ", docstring, re.MULTILINE), field
+    groups = [ALGORITHM_1, MEASUREMENT, PAPER_SILENT, BEYOND_PAPER]
+    heads = ["Algorithm 1's settings", "How a decision measures", "Where the paper is silent", "Rules beyond the paper"]
+    starts = [docstring.index(head) for head in heads] + [len(docstring)]
+    for group, start, end in zip(groups, starts, starts[1:]):
+        assert {f for f in fields if re.search(rf"^        {f}: ", docstring[start:end], re.MULTILINE)} == group
+
+
+def test_a_field_without_effect_is_named_with_the_field_that_turns_it_off() -> None:
+    """Each pair decided once: at its default or its paper value it is stated (inert_fields), at any other an
+    error naming both fields."""
+    assert ScalingRecipe().inert_fields() == {}
+    assert set(ScalingRecipe.paper().inert_fields()) == {
+        "weight_grad_margin_log2",
+        "weight_probe_elements",
+        "weight_probe_macs",
+        "update_after_zero_gradient",
+        "level_steps",
+        "kept_downstream_cap",
+        "expect_surprise_within_margin",
+        "spike_room_log2",
+        "recomputed_spike_share",
+    }
+    inert = ScalingRecipe(recompute_weight_gradients=False).inert_fields()
+    assert (
+        list(inert) == ["recomputed_spike_share"]
+        and "recompute_weight_gradients=False" in inert["recomputed_spike_share"]
+    )
+    refused = [
+        (
+            {"expected_maxima_margin_log2": None, "spike_room_log2": 2.0},
+            "spike_room_log2",
+            "expected_maxima_margin_log2",
+        ),
+        ({"lambda_min": "subnormal", "spike_room_log2": 1.0}, "spike_room_log2", "lambda_min"),
+        (
+            {"recompute_weight_gradients": False, "recomputed_spike_share": 0.25},
+            "recomputed_spike_share",
+            "recompute_weight_gradients",
+        ),
+        ({"exact_probes": False, "weight_grad_margin_log2": 1.0}, "weight_grad_margin_log2", "exact_probes"),
+        (
+            {"weight_grad_bounds": False, "weight_grad_margin_log2": 1.0},
+            "weight_grad_margin_log2",
+            "weight_grad_bounds",
+        ),
+        ({"exact_probes": False, "weight_probe_macs": 2**20}, "weight_probe_macs", "exact_probes"),
+        (
+            {"drift_tolerance_log2": None, "expected_maxima_margin_log2": None, "level_steps": 4},
+            "level_steps",
+            "drift_tolerance_log2",
+        ),
+        ({"max_total_scale": 2.0**100}, "max_total_scale", "max_log2_total_scale"),
+    ]
+    for fields, field, turned_off_by in refused:
+        with pytest.raises(ValueError, match=rf"ScalingRecipe: {field}=.*{turned_off_by}="):
+            ScalingRecipe(**fields)
+    with pytest.raises(ValueError, match=r"spike_room_log2=2.0 has no effect.*expected_maxima_margin_log2=None"):
+        ScalingRecipe.paper().replace(spike_room_log2=2.0)
+    stated = ScalingRecipe(drift_tolerance_log2=None, update_after_zero_gradient=False).inert_fields()
+    assert "drift_tolerance_log2=None" in stated["update_after_zero_gradient"]
+
+
+def test_the_paper_preset_decides_as_its_rules_off_alone_would() -> None:
+    """The paper preset's explicit off values of rules its switches already turn off change no decision: a run
+    with them at the default's values (where allowed) decides the same scales, step for step."""
+    relaxed = ScalingRecipe.paper().replace(level_steps=8, weight_grad_margin_log2=0.5, recomputed_spike_share=0.5)
+    assert relaxed.inert_fields().keys() == ScalingRecipe.paper().inert_fields().keys()
+    runs = []
+    for recipe in (ScalingRecipe.paper(), relaxed):
+        scaler = _shrinking_loss_run(recipe)
+        runs.append((scaler.update_iterations, scaler.scales()))
+    assert runs[0] == runs[1]

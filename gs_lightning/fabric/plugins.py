@@ -21,13 +21,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from gs_lightning.fabric.methods import (
-    DynamicLossScaling,
-    GradientScaling,
-    LossScaling,
-    NoScaling,
-    Scaler,
-)
+from gs_lightning.fabric.methods import Scaler, plugin_classes
 from gs_lightning.fabric.packages import FABRIC_PRECISIONS
 from gs_lightning.scaling.attached import is_fsdp1_unit
 
@@ -75,9 +69,10 @@ def refuse_unsupported_parallelism(plugin: object, *wrappers: object) -> None:
                 policy.param_dtype in _FLUSHING_DTYPES or policy.reduce_dtype in _FLUSHING_DTYPES
             ):
                 raise ValueError(
-                    f"{name}: FSDP's MixedPrecision(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}) "
-                    "computes or reduces the gradients in float16 after they were unscaled, which flushes the small ones; "
-                    "leave both float32 (the plugin's mixed_precision_config: autocast computes in float16)."
+                    f"{name}: FSDP's MixedPrecision(param_dtype={policy.param_dtype}, "
+                    f"reduce_dtype={policy.reduce_dtype}) computes or reduces the gradients in float16 after they were "
+                    "unscaled, which flushes the small ones; leave both float32 (the plugin's mixed_precision_config: "
+                    "autocast computes in float16)."
                 )
 
 
@@ -176,9 +171,10 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         if model is not None and id(model) not in self._checked_wrappers:
             refuse_unsupported_parallelism(self, model)
             self._checked_wrappers.add(id(model))
+        scaler = self.scaler  # first: building the scaler settles emulate="auto"
         with self.emulation():  # type: ignore[attr-defined]
             # Fabric's plain Precision.backward: an FSDPPrecision base (FSDPMixedPrecision) would scale once more.
-            FABRIC_PRECISIONS[0].backward(self, self.scaler.scale(tensor), model, *args, **kwargs)
+            FABRIC_PRECISIONS[0].backward(self, scaler.scale(tensor), model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step unless one of the optimizer's gradients is non-finite, then end the scaler's iteration."""
@@ -209,7 +205,7 @@ def _to_dtype(dtype: torch.dtype) -> Any:
 
 
 class FSDPMixedPrecision(FP16MixedPrecision, *_FABRIC_FSDP_PRECISIONS):  # type: ignore[misc]
-    """Base of the Fabric plugins for ``Fabric(strategy="fsdp")``: an ``FSDPPrecision``, with fp16 autocast and a scaling method.
+    """Base of the Fabric plugins for ``Fabric(strategy="fsdp")``: ``FSDPPrecision``, fp16 autocast, a scaling method.
 
     As :class:`FP16MixedPrecision`, except that FSDP gets :func:`fp32_sharding_policy` (float32
     sharded parameters and reductions; Fabric's ``FSDPPrecision("16-mixed")`` would give float16
@@ -231,35 +227,12 @@ class FSDPMixedPrecision(FP16MixedPrecision, *_FABRIC_FSDP_PRECISIONS):  # type:
         return fp32_sharding_policy()
 
 
-class GradientScalingPlugin(GradientScaling, FP16MixedPrecision):
-    __doc__ = GradientScaling.__doc__
-
-
-class DynamicLossScalingPlugin(DynamicLossScaling, FP16MixedPrecision):
-    __doc__ = DynamicLossScaling.__doc__
-
-
-class LossScalingPlugin(LossScaling, FP16MixedPrecision):
-    __doc__ = LossScaling.__doc__
-
-
-class FP16Plugin(NoScaling, FP16MixedPrecision):
-    __doc__ = NoScaling.__doc__
-
-
-class FSDPGradientScalingPlugin(GradientScaling, FSDPMixedPrecision):
-    """:class:`GradientScalingPlugin` (the same options) for ``Fabric(strategy="fsdp")``: see :class:`FSDPMixedPrecision`."""
-
-
-class FSDPDynamicLossScalingPlugin(DynamicLossScaling, FSDPMixedPrecision):
-    """:class:`DynamicLossScalingPlugin` (the same options) for ``Fabric(strategy="fsdp")``, through torch's ``ShardedGradScaler``."""
-
-    def _build_scaler(self, module: nn.Module, device: str) -> Any:
-        return sharded_grad_scaler(device, self._options)
-
-
-def sharded_grad_scaler(device: str, options: dict[str, Any]) -> Any:
-    """torch's ``ShardedGradScaler``: ``GradScaler`` with the non-finite flag reduced across FSDP's ranks (each holds a shard)."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    return ShardedGradScaler(device, **options)
+# The plugins of the table in gs_lightning.fabric.methods (the Trainer's, gs_lightning.lightning.plugins, are made
+# from the same table), bound by name for imports, pickling and Lightning's checkpoint keys.
+_PLUGINS = plugin_classes(FP16MixedPrecision, FSDPMixedPrecision, __name__, fsdp_strategy='``Fabric(strategy="fsdp")``')
+GradientScalingPlugin = _PLUGINS["GradientScalingPlugin"]
+DynamicLossScalingPlugin = _PLUGINS["DynamicLossScalingPlugin"]
+LossScalingPlugin = _PLUGINS["LossScalingPlugin"]
+FP16Plugin = _PLUGINS["FP16Plugin"]
+FSDPGradientScalingPlugin = _PLUGINS["FSDPGradientScalingPlugin"]
+FSDPDynamicLossScalingPlugin = _PLUGINS["FSDPDynamicLossScalingPlugin"]

@@ -31,14 +31,8 @@ import torch
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from gs_lightning.fabric.methods import (
-    DynamicLossScaling,
-    GradientScaling,
-    LossScaling,
-    NoScaling,
-    Scaler,
-)
-from gs_lightning.fabric.plugins import fp32_sharding_policy, refuse_unsupported_parallelism, sharded_grad_scaler
+from gs_lightning.fabric.methods import Scaler, plugin_classes
+from gs_lightning.fabric.plugins import fp32_sharding_policy, refuse_unsupported_parallelism
 from gs_lightning.lightning.packages import LIGHTNING_MODULES, PACKAGES, package_of
 from gs_lightning.lightning.schedulers import SkipAwareScheduler
 
@@ -90,7 +84,7 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """Check the wrapped model, find the autocast device, build the scaler once, and make the schedulers skip-aware."""
+        """Check the wrapped model, find the autocast device, build the scaler once, make the schedulers skip-aware."""
         refuse_unsupported_parallelism(self, model)
         self._autocast_device = self.device or _device_type(model)
         self.settle_emulation(self._autocast_device)  # type: ignore[attr-defined]
@@ -166,7 +160,7 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
 
 
 class FSDPMixedPrecision(FP16MixedPrecision, *_FSDP_PRECISIONS):  # type: ignore[misc]
-    """Base of the plugins for Lightning's ``FSDPStrategy`` (FSDP1): an ``FSDPPrecision`` that scales as :class:`FP16MixedPrecision`.
+    """Base of the plugins for ``FSDPStrategy`` (FSDP1): an ``FSDPPrecision`` scaling as :class:`FP16MixedPrecision`.
 
     FSDP gets :func:`~gs_lightning.fabric.plugins.fp32_sharding_policy` as its mixed-precision
     config (float32 sharded parameters, gradients and reductions), where Lightning's
@@ -191,31 +185,15 @@ class FSDPMixedPrecision(FP16MixedPrecision, *_FSDP_PRECISIONS):  # type: ignore
         return fp32_sharding_policy()
 
 
-class GradientScalingPlugin(GradientScaling, FP16MixedPrecision):
-    __doc__ = GradientScaling.__doc__
-
-
-class DynamicLossScalingPlugin(DynamicLossScaling, FP16MixedPrecision):
-    __doc__ = DynamicLossScaling.__doc__
-
-
-class LossScalingPlugin(LossScaling, FP16MixedPrecision):
-    __doc__ = LossScaling.__doc__
-
-
-class FP16Plugin(NoScaling, FP16MixedPrecision):
-    __doc__ = NoScaling.__doc__
-
-
-class FSDPGradientScalingPlugin(GradientScaling, FSDPMixedPrecision):
-    """:class:`GradientScalingPlugin` (the same options) for ``FSDPStrategy``: see :class:`FSDPMixedPrecision`."""
-
-
-class FSDPDynamicLossScalingPlugin(DynamicLossScaling, FSDPMixedPrecision):
-    """:class:`DynamicLossScalingPlugin` (the same options) for ``FSDPStrategy``, through torch's ``ShardedGradScaler``."""
-
-    def _build_scaler(self, module: nn.Module, device: str) -> Any:
-        return sharded_grad_scaler(device, self._options)
+# The plugins of the table in gs_lightning.fabric.methods (Fabric's, gs_lightning.fabric.plugins, are made from the
+# same table), bound by name for imports, Hydra's _target_, pickling and the checkpoint key of their state.
+_PLUGINS = plugin_classes(FP16MixedPrecision, FSDPMixedPrecision, __name__, fsdp_strategy="``FSDPStrategy``")
+GradientScalingPlugin = _PLUGINS["GradientScalingPlugin"]
+DynamicLossScalingPlugin = _PLUGINS["DynamicLossScalingPlugin"]
+LossScalingPlugin = _PLUGINS["LossScalingPlugin"]
+FP16Plugin = _PLUGINS["FP16Plugin"]
+FSDPGradientScalingPlugin = _PLUGINS["FSDPGradientScalingPlugin"]
+FSDPDynamicLossScalingPlugin = _PLUGINS["FSDPDynamicLossScalingPlugin"]
 
 
 def _lightning_module(model: nn.Module) -> nn.Module:

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from conftest import loader
 from torch import nn
 
-from gs_lightning.fabric import DynamicLossScalingPlugin, FP16Plugin, GradientScalingPlugin, LossScalingPlugin
+from gs_lightning.fabric import (
+    DynamicLossScalingPlugin,
+    FixedLossScaler,
+    FP16Plugin,
+    GradientScalingPlugin,
+    LossScalingPlugin,
+)
 
 PLUGINS = {
     "gradient_scaling": lambda: GradientScalingPlugin(update_interval=3),
@@ -22,7 +28,10 @@ PLUGINS = {
 }
 
 
-@pytest.fixture(params=["lightning.fabric", "lightning_fabric"])
+FABRIC_PACKAGES = ["lightning.fabric", "lightning_fabric"]
+
+
+@pytest.fixture(params=FABRIC_PACKAGES)
 def fabric_package(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -185,7 +194,7 @@ def test_a_skipped_step_restores_the_buffers_of_every_module_set_up(
 def test_a_compiled_model_set_up_with_fabric_gets_a_scale_for_its_region(fabric_package: str) -> None:
     """``fabric.setup(torch.compile(model))`` (issue 16): the compiled backward is scaled as one unit."""
     torch._dynamo.reset()
-    plugin = GradientScalingPlugin()
+    plugin = GradientScalingPlugin(emulate=False)  # under emulation (a CPU's default) torch.compile runs eagerly
     fabric, model, optimizer = launch(fabric_package, plugin, torch.compile(net(), backend="aot_eager"))
     with pytest.warns(RuntimeWarning, match="CompiledFunctionBackward.*scaled as one unit"):
         assert train(fabric, model, optimizer, steps=3) == [True, True, True]
@@ -198,7 +207,7 @@ def test_a_compiled_model_set_up_without_recompiling_gets_per_layer_scales(fabri
     module, which the plugin then sees, so its layers get their own scales inside the compiled graph
     (by default Fabric compiles its own wrapper after the plugin has seen the model: one unit, above)."""
     torch._dynamo.reset()
-    plugin = GradientScalingPlugin()
+    plugin = GradientScalingPlugin(emulate=False)  # under emulation (a CPU's default) torch.compile runs eagerly
     compiled = torch.compile(net(), backend="aot_eager")
     fabric = import_module(fabric_package).Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model, optimizer = fabric.setup(
@@ -209,3 +218,50 @@ def test_a_compiled_model_set_up_without_recompiling_gets_per_layer_scales(fabri
         assert train(fabric, model, optimizer, steps=4) == [True, True, True, True]
     kinds = {layer.name: layer.kind for layer in plugin.scaler.layers()}
     assert "opaque" not in kinds.values() and [name for name, kind in kinds.items() if kind == "gemm"] == ["2", "0"]
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_a_step_without_a_backward_raises_as_gradscaler_does(name: str, fabric_package: str) -> None:
+    """``optimizer.zero_grad()`` and no ``fabric.backward``: every plugin's step raises GradScaler's
+    AssertionError (issue 53), where it used to step on nothing and report a step."""
+    plugin = PLUGINS[name]()
+    fabric, model, optimizer = launch(fabric_package, plugin, net())
+    assert train(fabric, model, optimizer, steps=1) == [True]
+    optimizer.zero_grad()
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        optimizer.step()
+
+
+def test_fixed_loss_scaler_keeps_gradscalers_order_of_calls() -> None:
+    """FixedLossScaler runs on the scaling core's OptimizerSteps: GradScaler's errors for calls out of order,
+    gradients divided by the scale once, a non-finite one skipping the step."""
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = FixedLossScaler(4.0)
+    with pytest.raises(AssertionError, match="none of its parameters has a gradient"):
+        scaler.step(optimizer)
+    scaler.scale(param.sum()).backward()
+    scaler.unscale_(optimizer)
+    assert torch.equal(param.grad, torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    assert torch.equal(param.detach(), torch.zeros(2))
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called"):
+        scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        scaler.unscale_(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    scaler.scale(param.sum() * float("inf")).backward()
+    assert scaler.step(optimizer) is None and torch.equal(param.detach(), torch.zeros(2))
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_plugins_emulate_fp16_on_a_cpu_by_default(name: str, fabric_package: str) -> None:
+    """emulate="auto", as the app's precision.emulate: settled when fabric.setup shows the model's device."""
+    plugin = PLUGINS[name]()
+    assert plugin.emulate == "auto"
+    fabric, model, optimizer = launch(fabric_package, plugin, net())
+    assert train(fabric, model, optimizer, steps=1) == [True]
+    assert plugin.emulate is True

@@ -1,4 +1,5 @@
-"""Lightning Fabric's own tests of its fp16 precision plugin, run with ``gs_lightning.fabric.GradientScalingPlugin`` (issue 15).
+"""Lightning Fabric's own tests of its fp16 precision plugin, run with ``gs_lightning.fabric.GradientScalingPlugin``
+(issue 15).
 
 Ported from Lightning-AI/pytorch-lightning ``tests/tests_fabric/plugins/precision``: ``test_amp.py``,
 ``test_amp_integration.py`` and ``test_all.py``, on one CPU device (upstream runs the fp16 ones on CUDA:
@@ -22,12 +23,18 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fabric import fabric_package, launch, net  # noqa: F401 (fabric_package is a fixture)
+from test_fabric import FABRIC_PACKAGES, launch, net
 from torch import nn
 
 import gs_lightning
 from gs_lightning import GradientScaler
 from gs_lightning.fabric import GradientScalingPlugin
+
+
+@pytest.fixture(params=FABRIC_PACKAGES)
+def fabric_package(request: pytest.FixtureRequest) -> str:
+    """Each installed Fabric package, as in test_fabric.py."""
+    return request.param
 
 
 def test_amp_precision_default_scaler(fabric_package: str) -> None:
@@ -56,7 +63,8 @@ def test_amp_precision_backward() -> None:
     scaler.scale = Mock(side_effect=lambda x: x)
     tensor, model = Mock(), Mock()
     with mock.patch.object(GradientScalingPlugin, "scaler", scaler):
-        GradientScalingPlugin().backward(tensor, model, "positional-arg", keyword="arg")
+        # device="cpu" settles emulate="auto" (the mocked scaler, which would settle it, is never built)
+        GradientScalingPlugin(device="cpu").backward(tensor, model, "positional-arg", keyword="arg")
     scaler.scale.assert_called_once_with(tensor)
     tensor.backward.assert_called_once_with("positional-arg", keyword="arg")
 

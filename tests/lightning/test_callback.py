@@ -301,7 +301,11 @@ def test_heatmap_marks_the_update_steps_and_names_the_run_and_precision(
     assert (
         callback.update_steps == sorted(set(callback.update_steps)) and drawn["update_steps"] == callback.update_steps
     )
-    assert drawn["title"] == "demo/gs/run\nGradientScalingPlugin (float16 gradients): log2 gradient scale per layer"
+    # emulated: the plugin's default on a CPU (emulate="auto")
+    assert (
+        drawn["title"]
+        == "demo/gs/run\nGradientScalingPlugin (float16 gradients, emulated): log2 gradient scale per layer"
+    )
     assert callback.state_dict()["update_steps"] == callback.update_steps
 
 

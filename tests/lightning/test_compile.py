@@ -32,7 +32,8 @@ def test_a_compiled_model_trains_with_the_plugin_and_gets_per_layer_scales(compi
     torch.manual_seed(0)
     model, reference = Classifier(), Classifier()
     reference.load_state_dict(model.state_dict())
-    plugin, reference_plugin = GradientScalingPlugin(), GradientScalingPlugin()
+    # emulate=False: under the emulation a CPU gets by default, torch.compile runs the model eagerly
+    plugin, reference_plugin = GradientScalingPlugin(emulate=False), GradientScalingPlugin(emulate=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer(plugin, max_steps=3).fit(compile_(model), loader())

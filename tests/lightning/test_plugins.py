@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from importlib import import_module
 
@@ -58,7 +59,7 @@ class WeightWatch(Callback):
 
 
 def trainer(package: str, plugin, max_steps: int, callbacks=(), **kwargs):
-    """A quiet CPU Trainer of ``package`` that also checks, after every batch, that no NaN or inf reached the weights."""
+    """A quiet CPU Trainer of ``package`` that checks, after every batch, that no NaN or inf reached the weights."""
     return make_trainer(plugin, max_steps, callbacks=[*callbacks, WeightWatch()], package=package, **kwargs)
 
 
@@ -365,7 +366,14 @@ def test_skip_aware_scheduler_forwards_everything_else() -> None:
     [
         (lambda: GradientScalingPlugin(update_interval=0), "update_interval"),
         (lambda: GradientScalingPlugin(underflow_rate=0.7), "underflow_rate"),
+        (lambda: GradientScalingPlugin(max_consecutive_skips=0), "max_consecutive_skips"),
         (lambda: LossScalingPlugin(scale=0), "scale"),
+        (lambda: LossScalingPlugin(scale=float("inf")), "scale"),
+        (lambda: DynamicLossScalingPlugin(init_scale=-1.0), "scale"),
+        (lambda: DynamicLossScalingPlugin(growth_factor=1.0), "growth_factor"),
+        (lambda: DynamicLossScalingPlugin(backoff_factor=1.0), "backoff_factor"),
+        (lambda: DynamicLossScalingPlugin(growth_interval=0), "growth_interval"),
+        (lambda: FP16Plugin(emulate="yes"), "emulate"),
     ],
 )
 def test_bad_options_fail_when_the_plugin_is_made(make, option: str) -> None:
@@ -386,3 +394,62 @@ def test_a_lightning_1_install_is_left_out_with_a_warning(tmp_path, monkeypatch:
 
 def test_package_root_lists_every_lightning_name() -> None:
     assert set(gs_lightning._LIGHTNING_NAMES) == set(gs_lightning.lightning.__all__)
+
+
+def test_both_plugin_families_are_made_from_the_one_table() -> None:
+    """Every plugin of the Trainer's and of Fabric's is a row of gs_lightning.fabric.methods.PLUGINS on that
+    package's base classes, under the name (and pickled name, and checkpoint key) it always had."""
+    import gs_lightning.fabric
+    from gs_lightning.fabric import methods
+    from gs_lightning.fabric import plugins as fabric_plugins
+    from gs_lightning.lightning import plugins as trainer_plugins
+
+    expected = {e.name for e in methods.PLUGINS} | {f"FSDP{e.name}" for e in methods.PLUGINS if e.fsdp_method}
+    for module, package in ((trainer_plugins, gs_lightning.lightning), (fabric_plugins, gs_lightning.fabric)):
+        assert {name for name in vars(module) if name.endswith("Plugin")} == expected
+        assert expected <= set(package.__all__)
+        for entry in methods.PLUGINS:
+            cls = getattr(module, entry.name)
+            assert cls.__bases__ == (entry.method, module.FP16MixedPrecision)
+            assert (cls.__module__, cls.__qualname__, cls.__doc__) == (
+                module.__name__,
+                entry.name,
+                entry.method.__doc__,
+            )
+            assert pickle.loads(pickle.dumps(cls)) is cls
+            if entry.fsdp_method is not None:
+                assert getattr(module, f"FSDP{entry.name}").__bases__ == (entry.fsdp_method, module.FSDPMixedPrecision)
+
+
+class Forgetful(Classifier):
+    """Manual optimization whose second step forgets the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        if batch_idx == 0:
+            self.manual_backward(F.cross_entropy(self.net(batch[0]), batch[1]))
+        optimizer.step()
+
+
+def test_a_manual_step_without_a_backward_raises_as_gradscaler_does(lightning_package: str) -> None:
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        trainer(lightning_package, GradientScalingPlugin(), max_steps=2).fit(
+            on_package(Forgetful, lightning_package)(), loader()
+        )
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_plugins_emulate_fp16_on_a_cpu_by_default(name: str, lightning_package: str) -> None:
+    """emulate="auto", as the app's precision.emulate: emulated on a CPU, settled when the Trainer connects
+    the plugin, for fit and for a validation alone; a device given settles it at once."""
+    plugin, validating = PLUGINS[name](), PLUGINS[name]()
+    assert plugin.emulate == validating.emulate == "auto"
+    trainer(lightning_package, plugin, max_steps=1).fit(classifier(lightning_package), loader())
+    trainer(lightning_package, validating, max_steps=1).validate(classifier(lightning_package), loader())
+    assert plugin.emulate is True and validating.emulate is True
+    assert type(plugin)(device="cuda").emulate is False and type(plugin)(device="cpu").emulate is True

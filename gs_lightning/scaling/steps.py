@@ -3,7 +3,9 @@
 Within an iteration each optimizer is checked at most once (``unscale_``) and stepped at most once,
 until ``update()``; its step is taken only where the gradients it uses are finite. Skipped steps are
 counted, in a row too: more than ``max_consecutive_skips`` in a row is a diverged run, an error that
-says where it diverged.
+says where it diverged. A step on an optimizer that holds no gradient raises ``GradScaler``'s
+``AssertionError``. :class:`~gs_lightning.scaling.GradientScaler` and the plugins'
+``FixedLossScaler`` both keep their order here.
 """
 
 from __future__ import annotations

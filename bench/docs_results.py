@@ -113,12 +113,12 @@ def versions() -> dict[str, str]:
     return {"python": platform.python_version(), **installed}
 
 
-def record(name: str, title: str | None, command: list[str], add: bool = False) -> int:
+def record(name: str, title: str | None, command: list[str], add: bool = False, note: str | None = None) -> int:
     """Run ``command`` from the repository root, keep its output, and write ``NAME.run.json``.
 
     With ``add``, the command adds rows to a recorded run's JSON (e.g. ``compare_training.py --merge``):
     ``NAME.run.json`` keeps its provenance and lists this command's under ``additions``, and its output is
-    appended to ``NAME.out.txt``.
+    appended to ``NAME.out.txt``. ``note``: a sentence the page shows after the provenance.
     """
     if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
         raise SystemExit(f"error: run name {name!r}: expected lowercase letters, digits, '-' and '_'")
@@ -139,6 +139,8 @@ def record(name: str, title: str | None, command: list[str], add: bool = False) 
         "machine": machine(),
         **versions(),
     }
+    if note:
+        provenance["note"] = note
     if add:
         del provenance["title"]
     start = time.perf_counter()
@@ -183,19 +185,43 @@ class Recorded:
         return next((Path(w).name for w in words if w.endswith(".py")), "")
 
     def provenance_lines(self) -> list[str]:
-        p = self.provenance
-        code = f"commit `{p['commit']}`"
-        if p["uncommitted"]:
-            code += " with uncommitted changes in " + ", ".join(f"`{line[3:]}`" for line in p["uncommitted"])
-        return [
-            "```bash",
-            p["command"],
-            "```",
-            "",
-            f"Measured here: {code}, {p['date']}, {p['seconds']:.0f} s wall clock; machine: {p['machine']}; "
-            f"Python {p['python']}.",
-            "",
-        ]
+        lines = ["```bash", self.provenance["command"], "```", "", f"Measured here: {_measured(self.provenance)}", ""]
+        for added in self.provenance.get("additions", []):
+            lines += [
+                "Rows added later to the same JSON (`--merge`) by:",
+                "",
+                "```bash",
+                added["command"],
+                "```",
+                "",
+                f"Measured here: {_measured(added)}",
+                "",
+            ]
+        return lines
+
+    def added_methods(self) -> set[str]:
+        """The method keys later commands added (their ``--methods``), whose seconds were measured apart."""
+        keys: set[str] = set()
+        for added in self.provenance.get("additions", []):
+            words = shlex.split(added["command"])
+            if "--methods" in words:
+                rest = words[words.index("--methods") + 1 :]
+                keys.update(word for word in rest[: next((i for i, w in enumerate(rest) if w.startswith("-")), None)])
+        return keys
+
+
+def _measured(provenance: dict[str, Any]) -> str:
+    """Where and on what a run's numbers were measured: commit, date, wall time, machine, versions, note."""
+    p = provenance
+    code = f"commit `{p['commit']}`"
+    if p["uncommitted"]:
+        code += " with uncommitted changes in " + ", ".join(f"`{line[3:]}`" for line in p["uncommitted"])
+    if "torch" in p:
+        versions = f"Python {p['python']}, torch {p['torch']}, Lightning {p['lightning']}"
+    else:
+        versions = f"Python {p['python']} (torch and Lightning versions not recorded)"
+    note = f" {p['note']}" if p.get("note") else ""
+    return f"{code}, {p['date']}, {p['seconds']:.0f} s wall clock; machine: {p['machine']}; {versions}.{note}"
 
 
 def load_runs(data: Path = DATA) -> list[Recorded]:
@@ -231,6 +257,11 @@ def number(value: Any, key: str = "") -> str:
         if not math.isfinite(value):
             return str(value)
         if "underflow" in key:
+            if value == 0:
+                return "0%"
+            if value < 5e-6:  # below what three decimals of a percent show, but not zero: one digit, × 10^k
+                mantissa, exponent = f"{100 * value:.0e}".split("e")
+                return f"{mantissa}·10{str(int(exponent)).translate(SUPERSCRIPTS)}%"
             return f"{100 * value:.3f}%" if value < 0.01 else f"{100 * value:.2f}%"
         if re.search(r"\b(ms|MiB|s / run|seconds|skipped|iterations|steps)\b", key):
             return f"{value:+.1f}" if key.startswith("added") else f"{value:.1f}"
@@ -240,6 +271,9 @@ def number(value: Any, key: str = "") -> str:
     if isinstance(value, (list, tuple)):
         return ", ".join(number(v) for v in value)
     return str(value).replace("|", "\\|")
+
+
+SUPERSCRIPTS = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> list[str]:
@@ -269,23 +303,35 @@ def _training_methods(script: str) -> dict[str, Any]:
     return METHODS
 
 
-IDENTITY = ("task", "method", "seed", "metric_name", "grads", "label")
+def _paper_label() -> str:
+    """The table's name for GS with the paper's recipe, from the bench."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from compare_training import PAPER_LABEL
+
+    return PAPER_LABEL
+
+
+IDENTITY = ("task", "method", "seed", "metric_name", "grads", "label", "grad_rounding")  # grad_rounding: in grads
 
 
 def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (task, method), seeds aggregated field by field.
 
-    The metric and the final training loss are ``mean ± std``; every other number is the mean over
-    seeds (``None`` where no seed has one); lists other than ``losses`` and strings are left out, and
-    a field the bench adds later becomes a column of its own.
+    Methods in the bench's table order (rows merged in later sit beside their kin); the metric and
+    the final training loss are ``mean ± std``; every other number is the mean over seeds (``None``
+    where no seed has one); lists other than ``losses`` and strings are left out, and a field the
+    bench adds later becomes a column of its own.
     """
     rows = []
+    order = {key: place for place, key in enumerate(methods)}
     for task in dict.fromkeys(r["task"] for r in runs):
-        for key in dict.fromkeys(r["method"] for r in runs if r["task"] == task):
+        keys = dict.fromkeys(r["method"] for r in runs if r["task"] == task)
+        for key in sorted(keys, key=lambda k: order.get(k, len(order))):
             group = [r for r in runs if r["task"] == task and r["method"] == key]
             method = methods.get(key)
             row: dict[str, Any] = {
                 "task": task,
+                "method key": key,
                 "gradients": group[0].get("grads") or (method.grads if method else ""),
                 "method": group[0].get("label") or (method.label if method else key),
                 "seeds": len(group),
@@ -347,19 +393,173 @@ def _columns_named(row: dict[str, Any]) -> dict[str, str]:
     return {k: names.get(k, k.replace("_", " ")) for k in row}
 
 
-def training_section(run: Recorded) -> list[str]:
-    methods = _training_methods(run.script)
-    rows = aggregate(run.data, methods)
+# What separates the methods, then how each run ended; any other column the bench adds goes to a third table.
+SEPARATING = ("gradients", "method", "skipped steps", "GEMM-gradient underflow", "oracle underflow", "s / run")
+OUTCOME = ("gradients", "method", "final train loss", "GS update iterations", "GS recomputed steps")
+NOT_SHOWN = ("task", "method key", "seeds")  # the section's title, the table's order, the sentence above it
+
+
+def _task_rows(run: Recorded) -> dict[str, list[dict[str, Any]]]:
+    """The run's aggregated rows, titled as the page shows them, per task."""
+    rows = aggregate(run.data, _training_methods(run.script))
     titled = [{_columns_named(row)[k]: v for k, v in row.items()} for row in rows]
+    return {task: [row for row in titled if row["task"] == task] for task in dict.fromkeys(r["task"] for r in titled)}
+
+
+def training_section(run: Recorded) -> list[str]:
     steps = {len(r["losses"]) for r in run.data}
-    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *gradient_magnitudes(run)]
-    lines += [
-        f"{len(run.data)} runs of {', '.join(map(str, sorted(steps)))} steps. "
-        "Metric and final train loss: mean ± std over the seeds; every other column: the mean over the seeds.",
-        "",
-    ]
-    lines += markdown_table(titled)
-    return lines
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines()]
+    added = run.added_methods()
+    for task, rows in _task_rows(run).items():
+        # GS's rows in bold, as the figure's labels
+        rows = [
+            {**row, "method": f"**{row['method']}**" if row["method"].startswith("GS") else row["method"]}
+            for row in rows
+        ]
+        metric = next(k for k in rows[0] if k.endswith("(mean ± std)"))
+        outcome = [*OUTCOME[:2], metric, *OUTCOME[2:]]
+        others = [
+            k for k in dict.fromkeys(k for row in rows for k in row) if k not in (*SEPARATING, *outcome, *NOT_SHOWN)
+        ]
+        seeds = sorted({row["seeds"] for row in rows})
+        title = TASK_TITLES.get(task, task)
+        lines += [
+            f"### {title}",
+            "",
+            f"![{title}: skipped steps, GEMM-gradient underflow and seconds per run of each method]"
+            f"({figure_path(run, task).relative_to(DOCS).as_posix()})",
+            "",
+            f"`{task}`, {', '.join(map(str, sorted(steps)))} steps, {' or '.join(map(str, seeds))} seeds per method; "
+            "every number is the mean over the seeds, the metric and the final train loss (over the last tenth "
+            "of the steps) mean ± std.",
+            "",
+            *markdown_table(rows, list(SEPARATING)),
+        ]
+        if added & {row["method key"] for row in rows}:
+            lines += [
+                "The rows the later command added ("
+                + ", ".join(f"{row['gradients']} {row['method']}" for row in rows if row["method key"] in added)
+                + ") took their seconds on the machine as it was then (see above): their *s / run* compare "
+                "with the other rows' only as far as both machines were alike; the hatched bars in the plot.",
+                "",
+            ]
+        lines += markdown_table(rows, outcome)
+        if others:
+            lines += markdown_table(rows, [*SEPARATING[:2], *others])
+    return lines + gradient_magnitudes(run)
+
+
+def figure_path(run: Recorded, task: str) -> Path:
+    return DOCS / "plots" / f"{run.name}-{task}.png"
+
+
+# Colours by gradient setting; the references (no low-precision gradient) in grey.
+SETTING_COLOURS = {
+    "fp32": "#8c8c8c",
+    "bf16": "#b0b0b0",
+    "fp16": "#1f77b4",
+    "e5m2": "#ff7f0e",
+    "e4m3fn": "#2ca02c",
+    "bf16 + e5m2 ∇Y": "#9467bd",
+    "bf16 + e4m3fn ∇Y": "#8c564b",
+}
+
+
+def training_figures(run: Recorded) -> list[Path]:
+    """Per task, one PNG of what separates the methods: skipped steps, GEMM-gradient underflow (log axis,
+    with the per-tensor oracle marked) and seconds per run, one bar per method, grouped by gradient setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    written = []
+    added = run.added_methods()
+    for task, rows in _task_rows(run).items():
+        # One line per method, a heading line before each gradient setting (the references share one).
+        lines: list[tuple[str, dict[str, Any] | None]] = []
+        for setting in dict.fromkeys(
+            "references" if r["gradients"] in ("fp32", "bf16") else r["gradients"] for r in rows
+        ):
+            lines.append((f"{setting} gradients" if setting != "references" else "references", None))
+            lines += [
+                (r["method"], r)
+                for r in rows
+                if ("references" if r["gradients"] in ("fp32", "bf16") else r["gradients"]) == setting
+            ]
+        y = list(range(len(lines)))
+        fig, axes = plt.subplots(
+            1, 3, figsize=(7.4, 0.85 + 0.19 * len(lines)), sharey=True, gridspec_kw={"width_ratios": (1, 1.35, 1)}
+        )
+        bars = [(i, row) for i, (_, row) in enumerate(lines) if row is not None]
+        colours = [SETTING_COLOURS.get(row["gradients"], "#444444") for _, row in bars]
+        skipped, seconds = axes[0], axes[2]
+        skipped.barh([i for i, _ in bars], [row["skipped steps"] for _, row in bars], color=colours, height=0.7)
+        for i, row in bars:
+            if row["skipped steps"]:
+                skipped.text(row["skipped steps"], i, f" {row['skipped steps']:.3g}", va="center", fontsize=6)
+        skipped.set_title("skipped steps", fontsize=8)
+        skipped.set_xlim(0, max(1.0, max(row["skipped steps"] for _, row in bars)) * 1.25)
+
+        underflow = axes[1]
+        values = [v for _, row in bars for v in (row["GEMM-gradient underflow"], row["oracle underflow"]) if v]
+        low = 10 ** math.floor(math.log10(min(values))) if values else 1e-6
+        underflow.set_xscale("log")
+        underflow.set_xlim(low, 1.0)
+        for (i, row), colour in zip(bars, colours):
+            value, oracle = row["GEMM-gradient underflow"], row["oracle underflow"]
+            if value is None:
+                underflow.text(low * 1.3, i, "not rounded", va="center", fontsize=6, color="#777777")
+            elif value == 0:
+                underflow.text(low * 1.3, i, "0", va="center", fontsize=6)
+            else:
+                underflow.barh(i, value - low, left=low, color=colour, height=0.7)
+            if oracle:
+                underflow.plot([oracle], [i], marker="|", color="black", markersize=7, linestyle="none")
+        underflow.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$10^{{{math.log10(100 * v):.0f}}}$%"))
+        underflow.set_title("GEMM-gradient underflow (log axis)", fontsize=8)
+
+        seconds.barh(
+            [i for i, _ in bars],
+            [row["s / run"] for _, row in bars],
+            color=colours,
+            height=0.7,
+            hatch=["///" if row["method key"] in added else "" for _, row in bars],
+            edgecolor="white",
+        )
+        seconds.set_title("seconds per run", fontsize=8)
+        for ax in axes:
+            ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+            ax.set_axisbelow(True)
+            ax.tick_params(axis="x", labelsize=6.5)
+            for side in ("top", "right"):
+                ax.spines[side].set_visible(False)
+        skipped.set_yticks(y, [label for label, _ in lines])
+        skipped.tick_params(axis="y", length=0, labelsize=7)
+        for tick, (_, row) in zip(skipped.get_yticklabels(), lines):
+            if row is None:
+                tick.set_fontweight("bold")
+            elif row["method"].startswith("GS"):
+                tick.set_color(SETTING_COLOURS.get(row["gradients"], "#444444"))
+                tick.set_fontweight("bold")
+        skipped.set_ylim(len(lines) - 0.4, -0.6)
+        fig.suptitle(
+            f"{TASK_TITLES.get(task, task)}, mean over the seeds; |: the per-tensor oracle's underflow"
+            + (
+                "; hatched: measured later (see the provenance)"
+                if added & {row["method key"] for _, row in bars}
+                else ""
+            ),
+            fontsize=8,
+        )
+        fig.tight_layout()
+        path = figure_path(run, task)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=180)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def gradient_magnitudes(run: Recorded) -> list[str]:
@@ -375,25 +575,6 @@ def gradient_magnitudes(run: Recorded) -> list[str]:
         end = next((i for i in range(start, len(lines)) if lines[i].startswith("Spread:")), len(lines) - 1)
         blocks += [*lines[start : end + 1], ""]
     return blocks
-
-
-def training_plots(run: Recorded, folder: Path) -> list[Path]:
-    """The bench's own loss-curve plots of this run (compare_training only)."""
-    if run.script != "compare_training.py":
-        return []
-    sys.path.insert(0, str(ROOT / "bench"))
-    from compare_training import Run, plot
-
-    fields = set(Run.__dataclass_fields__)
-    runs = [Run(**{k: v for k, v in r.items() if k in fields}) for r in run.data]
-    folder.mkdir(parents=True, exist_ok=True)
-    written = plot(runs, folder)
-    renamed = []
-    for path in written:
-        target = path.with_name(f"{run.name}-{path.name}")
-        path.replace(target)
-        renamed.append(target)
-    return renamed
 
 
 # ---------------------------------------------------------------------------------------------- the other benches
@@ -474,7 +655,7 @@ def update_cost_rows(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[d
             "models": len(every),
             "median update / plain": statistics.median(m["update / plain"] for m in ok) if ok else None,
             "median replay / plain": statistics.median(m["replay / plain"] for m in ok) if ok else None,
-            "bit-exact": f"{sum(m['exact (update, replay)'] == 'yes' or m['exact (update, replay)'].startswith('yes,') for m in ok)} of {len(ok)}",
+            "bit-exact": f"{sum(m['exact (update, replay)'].split(',')[0] == 'yes' for m in ok)} of {len(ok)}",
             "failed": len(every) - len(ok),
         }
     return models, list(families.values())
@@ -531,10 +712,14 @@ SECTIONS: dict[str, Callable[[Recorded], list[str]]] = {
 
 @dataclass(frozen=True)
 class Page:
+    """One results page: the scripts whose runs it shows, a short intro first and, after the runs, the details."""
+
     file: str
     title: str
     scripts: tuple[str, ...]
     intro: str
+    details: tuple[str, ...] = ()
+    wide: bool = False
 
 
 PAGES = (
@@ -542,39 +727,48 @@ PAGES = (
         "training.md",
         "Training beside every baseline",
         ("compare_training.py", "ssd_finetune.py"),
-        "Small versions of the paper's three experiments (task `segnet`: SegNet-basic on generated CamVid-format "
-        "scenes; `resnet`: ResNet-8 on generated images; `ssd`: SSD300 on generated VOC-format boxes, from "
-        "scratch) and a task built for the paper's premise, layers whose gradients lie far apart (`deep`: a plain "
-        "16-layer CNN, no normalisation or residuals, whose layers' weights are scaled by powers of two from 2^-9 "
-        "to 2^10, per-pixel classes of generated CamVid-format scenes, Adam with per-layer learning rates that "
-        "make its fp32 training the unscaled network's; the spread as wide as fp16's forward allows, see "
-        "`bench/_training_tasks.py`), trained under CPU emulation of fp16 "
-        "(`gs_lightning.simulate.emulate`), each method from the same initial weights on the same batches. "
-        "Gradients *fp16*: fp16 autocast; *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
-        "produces rounded to that fp8 format (the fp16 path, the paper's: the GEMM writes the low-precision "
-        "result itself; per-tensor current and MX block scaling are handed the GEMM's exact result to scale, "
-        "and store what they dequantize in fp16); *bf16 + e5m2 ∇Y* / *bf16 + e4m3fn ∇Y*: the fp8 hardware path, "
-        "as Transformer Engine and torchao train, bf16 between GEMMs and the gradient entering each backward "
-        "GEMM cast to fp8 from its bf16 value. *GEMM-gradient underflow*: of each gradient the emulation casts "
-        "(what a backward GEMM produces, or on the hardware path what enters it), the fraction of its nonzero "
-        "exact values that rounding made zero, averaged over tensors and steps; *oracle underflow*: the same "
-        "for the best power-of-two scale of each tensor, chosen with hindsight and without overflow (what no "
-        "power-of-two scale per tensor can beat; current scaling's scales are not powers of two, MX's are per "
-        "block of 32). "
-        "*GS update iterations*: backwards that decided the scales (the others replayed them). "
-        "*GS recomputed steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the "
-        "operands the replay kept (what that memory buys: [Memory](memory.md)); without it they would have been "
-        "skipped. "
-        "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
-        "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
-        "without the mode); GS's update statistics are fp32 and run outside it. "
-        "Between updates GS keeps each GEMM's operands and incoming gradient until the step (to recompute a "
-        "weight gradient that overflows); with glibc's malloc the memory the backward allocates meanwhile is "
-        "fresh and page-faults, where a GPU's caching allocator would reuse its blocks: on these small tasks that "
-        "too counts against GS's seconds. "
-        "Generated datasets and short "
-        "runs from scratch: metrics close to each other are noise; skipped steps and underflow are what these "
-        "runs measure.",
+        "Each method trains the same small model from the same weights on the same batches, under CPU "
+        "emulation of fp16 and fp8 gradients. What separates the methods is in each task's plot: steps skipped "
+        "because a gradient overflowed, the share of gradient values rounding made zero (log axis), and seconds "
+        "per run. The metrics of these short runs on generated data are close to each other and mostly noise. "
+        "How the runs are made and what each column means: [below](#how-these-runs-are-made).",
+        (
+            "Tasks: small versions of the paper's three experiments (`segnet`: SegNet-basic on generated "
+            "CamVid-format scenes; `resnet`: ResNet-8 on generated images; `ssd`: SSD300 on generated VOC-format "
+            "boxes, from scratch) and a task built for the paper's premise, layers whose gradients lie far apart "
+            "(`deep`: a plain 16-layer CNN, no normalisation or residuals, whose layers' weights are scaled by "
+            "powers of two from 2^-9 to 2^10, per-pixel classes of generated CamVid-format scenes, Adam with "
+            "per-layer learning rates that make its fp32 training the unscaled network's; the spread as wide as "
+            "fp16's forward allows, see `bench/_training_tasks.py`). Every method trains under CPU emulation of "
+            "fp16 (`gs_lightning.simulate.emulate`), from the same initial weights on the same batches.",
+            "Gradients *fp16*: fp16 autocast. *e5m2* / *e4m3fn*: the same, with every gradient a backward GEMM "
+            "produces rounded to that fp8 format (the fp16 path, the paper's: the GEMM writes the low-precision "
+            "result itself; per-tensor current and MX block scaling are handed the GEMM's exact result to scale, "
+            "and store what they dequantize in fp16). *bf16 + e5m2 ∇Y* / *bf16 + e4m3fn ∇Y*: the fp8 hardware "
+            "path, as Transformer Engine and torchao train, bf16 between GEMMs and the gradient entering each "
+            "backward GEMM cast to fp8 from its bf16 value.",
+            "Methods: *GS* is this package's `GradientScaler` with its default recipe; *GS, paper's Algorithm 1* "
+            'the same with `recipe="paper"` (`ScalingRecipe.paper()`: Algorithm 1 as published, none of the '
+            "rules beyond the paper), so the two rows show what those rules buy and cost.",
+            "*GEMM-gradient underflow*: of each gradient the emulation casts (what a backward GEMM produces, or on "
+            "the hardware path what enters it), the fraction of its nonzero exact values that rounding made zero, "
+            "averaged over tensors and steps. *Oracle underflow*: the same for the best power-of-two scale of each "
+            "tensor, chosen with hindsight and without overflow (what no power-of-two scale per tensor can beat; "
+            "current scaling's scales are not powers of two, MX's are per block of 32).",
+            "*GS update iterations*: backwards that decided the scales (the others replayed them). *GS recomputed "
+            "steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the operands the "
+            "replay kept (what that memory buys: [Memory](memory.md)); without it they would have been skipped.",
+            "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
+            "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
+            "without the mode); GS's update statistics are fp32 and run outside it. Between updates GS keeps each "
+            "GEMM's operands and incoming gradient until the step (to recompute a weight gradient that overflows); "
+            "with glibc's malloc the memory the backward allocates meanwhile is fresh and page-faults, where a "
+            "GPU's caching allocator would reuse its blocks: on these small tasks that too counts against GS's "
+            "seconds.",
+            "Generated datasets and short runs from scratch: metrics close to each other are noise; skipped steps "
+            "and underflow are what these runs measure.",
+        ),
+        wide=True,
     ),
     Page(
         "overhead.md",
@@ -643,7 +837,8 @@ def headline(runs: list[Recorded]) -> list[str]:
                     if (r["task"], r["gradients"]) == (task, grads) and r["underflow"] is not None
                 }
                 cells = [
-                    f"{method}: {group[method]['skipped_steps']:.1f} skipped steps, {number(group[method]['underflow'], 'underflow')} underflow"
+                    f"{method}: {group[method]['skipped_steps']:.1f} skipped steps, "
+                    f"{number(group[method]['underflow'], 'underflow')} underflow"
                     for method in HEADLINE_METHODS
                     if method in group
                 ]
@@ -673,7 +868,8 @@ def headline(runs: list[Recorded]) -> list[str]:
             )
         elif run.script == "memory.py":
             settings = run.data["settings"]
-            what = f"{settings['arch']} batch {settings['batch size']} at {settings['image size']}² on {settings['device']}"
+            size = f"batch {settings['batch size']} at {settings['image size']}²"
+            what = f"{settings['arch']} {size} on {settings['device']}"
             rows.append(
                 (
                     f"{what}: peak memory of an iteration against a plain backward's",
@@ -685,7 +881,8 @@ def headline(runs: list[Recorded]) -> list[str]:
             _, families = update_cost_rows(run.data)
             rows.append(
                 (
-                    f"GS update iteration against a plain backward, model zoo ({run.provenance['title']}), median per family",
+                    f"GS update iteration against a plain backward, model zoo ({run.provenance['title']}), "
+                    "median per family",
                     "; ".join(
                         f"{f['family']} {f['median update / plain']:.2f}×"
                         for f in families
@@ -713,8 +910,9 @@ def headline(runs: list[Recorded]) -> list[str]:
     ]
 
 
-# compare_training's methods the README's table sets side by side, in each gradient setting that has GS and one of the others:
-# the dynamic loss scale (what fp16 users run today) and per-tensor current scaling, alone and under a dynamic loss scale
+# compare_training's methods the README's table sets side by side, in each gradient setting that has GS and one of
+# the others: the dynamic loss scale (what fp16 users run today) and per-tensor current scaling, alone and under a
+# dynamic loss scale
 # (the strongest per-tensor fp8 anchors)
 HEADLINE_METHODS = (
     "GS",
@@ -735,8 +933,8 @@ TASK_TITLES = {
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
-    """Every generated file's text, by path (``plots``: also draw the training curves there)."""
+def pages(runs: list[Recorded], draw: bool = False) -> dict[Path, str]:
+    """Every generated file's text, by path (``draw``: also draw the training figures)."""
     header = f"<!-- Generated by `{GENERATOR}` from docs/results/data/; do not edit. -->"
     files: dict[Path, str] = {}
     index = [
@@ -755,13 +953,18 @@ def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
         selected = [run for run in runs if run.script in page.scripts]
         if not selected:
             continue
-        lines = [header, "", f"# {page.title}", "", page.intro, ""]
+        # Material's front matter: a wide page (its tables and figures) gives the content the navigation's width.
+        front = ["---", "hide:", "  - navigation", "---", ""] if page.wide else []
+        lines = [*front, header, "", f"# {page.title}", "", page.intro, ""]
+        if page.file == "training.md":
+            selected.sort(key=_task_order)
+            lines += training_answer(selected)
         for run in selected:
             lines += SECTIONS[run.script](run)
-            if run.script == "compare_training.py":
-                if plots is not None:
-                    training_plots(run, plots)
-                lines += [f"![Training loss, {path}]({path})" for path in _existing_plots(run)] + [""]
+            if draw and run.script in TRAINING_SCRIPTS:
+                training_figures(run)
+        if page.details:
+            lines += ["## How these runs are made", ""] + [line for text in page.details for line in (text, "")]
         files[DOCS / page.file] = "\n".join(lines).rstrip() + "\n"
         index.append(
             f"| [{page.title}]({page.file}) | " + "; ".join(run.provenance["title"] for run in selected) + " |"
@@ -787,8 +990,46 @@ def pages(runs: list[Recorded], plots: Path | None = None) -> dict[Path, str]:
     return files
 
 
-def _existing_plots(run: Recorded) -> list[str]:
-    return sorted(p.relative_to(DOCS).as_posix() for p in (DOCS / "plots").glob(f"{run.name}-compare_training_*.png"))
+TRAINING_SCRIPTS = ("compare_training.py", "ssd_finetune.py")
+
+
+def _task_order(run: Recorded) -> int:
+    """The paper's experiments first, then the task built for its premise (``TASK_TITLES``' order)."""
+    order = list(TASK_TITLES)
+    tasks = [order.index(r["task"]) for r in run.data if r["task"] in order]
+    return min(tasks, default=len(order))
+
+
+def training_answer(runs: list[Recorded]) -> list[str]:
+    """The page's answer first: per task and gradient format, skipped steps and GEMM-gradient underflow of GS,
+    of the paper's Algorithm 1 and of the methods the README sets beside GS."""
+    methods = ("GS", _paper_label(), *HEADLINE_METHODS[1:])
+    rows = []
+    for run in runs:
+        for task, task_rows in _task_rows(run).items():
+            for grads in dict.fromkeys(r["gradients"] for r in task_rows):
+                group = {
+                    r["method"]: r
+                    for r in task_rows
+                    if r["gradients"] == grads and r["GEMM-gradient underflow"] is not None
+                }
+                if "GS" in group and len(group.keys() & set(methods)) > 1:
+                    row = {"task": TASK_TITLES.get(task, task), "gradients": grads}
+                    for method in methods:
+                        if method in group:
+                            cell = group[method]
+                            underflow = number(cell["GEMM-gradient underflow"], "underflow")
+                            row[method] = f"{cell['skipped steps']:.1f}\u00a0·\u00a0{underflow}"  # no break inside
+                    rows.append(row)
+    if not rows:
+        return []
+    columns = ["task", "gradients", *(m for m in methods if any(m in row for row in rows))]
+    return [
+        "Skipped steps · GEMM-gradient underflow, mean over the seeds (— where the method was not run with that "
+        "gradient format):",
+        "",
+        *markdown_table(rows, columns),
+    ]
 
 
 def readme_with_table(readme: str, table: list[str]) -> str:
@@ -813,21 +1054,29 @@ def main(argv: list[str] | None = None) -> int:
             help="the command adds rows to the recorded run NAME (e.g. compare_training.py --merge): keep its "
             "provenance and list this command's beside it",
         )
+        parser.add_argument(
+            "--note", help="a sentence the page shows after the run's provenance (e.g. that the machine was shared)"
+        )
         split = argv.index("--") if "--" in argv else len(argv)
         args = parser.parse_args(argv[1:split])
-        return record(args.name, args.title, argv[split + 1 :], add=args.add)
+        return record(args.name, args.title, argv[split + 1 :], add=args.add, note=args.note)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated page is out of date")
     args = parser.parse_args(argv)
     runs = load_runs()
     if not runs:
         raise SystemExit(f"error: no recorded run under {DATA}; record one first (see {GENERATOR} --help)")
-    plots = None if args.check else DOCS / "plots"
-    if plots is not None:
-        plots.mkdir(parents=True, exist_ok=True)
-    files = pages(runs, plots)
+    files = pages(runs, draw=not args.check)
     files[README] = readme_with_table(README.read_text(), headline(runs))
     stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
+    # The figures are drawn from the same data; a missing one is out of date (matplotlib's bytes vary by version).
+    stale += [
+        figure_path(run, task)
+        for run in runs
+        if run.script in TRAINING_SCRIPTS
+        for task in dict.fromkeys(r["task"] for r in run.data)
+        if not figure_path(run, task).exists()
+    ]
     if args.check:
         for path in stale:
             print(f"out of date: {path.relative_to(ROOT)} (run {GENERATOR})", file=sys.stderr)

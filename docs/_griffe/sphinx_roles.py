@@ -12,9 +12,8 @@ docstring of it:
   annotations: the reference is a link wherever the target is rendered on the site, and plain code where it is not,
   so ``mkdocs build --strict`` never fails on a reference to something the API pages leave out. A target that is
   neither in the package nor dotted (so cannot be anything rendered) becomes plain inline code.
-* A class documented by ``__doc__ = Other.__doc__`` (invisible to static analysis) gets ``Other``'s docstring, and a
-  public module-level name bound to a class made at import time (``X = make_classes()["X"]``) is documented as that
-  class, from the imported module.
+* A public module-level name bound to a class made at import time (``X = make_classes()["X"]``, invisible to static
+  analysis) is documented as that class, read from the imported module.
 * A paragraph ending in ``::`` followed by an indented block becomes the paragraph ending in ``:`` (or nothing, for
   a lone or space-separated ``::``) and a fenced code block, highlighted as Python when the block parses as Python.
 
@@ -228,32 +227,6 @@ def convert_docstring(text: str, owner: griffe.Object, resolver: Resolver) -> st
     return "\n".join(parts)
 
 
-def _borrowed_docstring(cls: griffe.Object) -> griffe.Docstring | None:
-    """The docstring a class without one takes with ``__doc__ = Other.__doc__`` (None if it does not).
-
-    Static analysis sees no docstring there, and mkdocstrings leaves undocumented classes out of the pages; the
-    plugins (``GradientScalingPlugin`` and its siblings) share their docstrings with their methods this way.
-    """
-    value = getattr(cls.members.get("__doc__"), "value", None)
-    path = getattr(value, "canonical_path", "")
-    if not path.endswith(".__doc__"):
-        return None
-    try:
-        source = _final(cls.modules_collection.get_member(path.removesuffix(".__doc__")))
-    except (KeyError, ValueError):
-        return None
-    if source is None or source.docstring is None:
-        return None
-    return griffe.Docstring(
-        source.docstring.value,
-        lineno=source.docstring.lineno,
-        endlineno=source.docstring.endlineno,
-        parent=cls,
-        parser=source.docstring.parser,
-        parser_options=source.docstring.parser_options,
-    )
-
-
 def _document_runtime_classes(module: griffe.Module, loader: griffe.GriffeLoader) -> None:
     """Replace ``module``'s public names bound to classes made at import time by those classes.
 
@@ -302,10 +275,6 @@ class SphinxRoles(griffe.Extension):
         for module in [obj for obj in iter_objects(pkg) if obj.is_module]:
             _document_runtime_classes(module, loader)
         resolver = Resolver(pkg)
-        objects = list(iter_objects(pkg))
-        for obj in objects:
-            if obj.is_class and obj.docstring is None:
-                obj.docstring = _borrowed_docstring(obj)
-        for obj in objects:
+        for obj in iter_objects(pkg):
             if obj.docstring is not None:
                 obj.docstring.value = convert_docstring(obj.docstring.value, obj, resolver)

@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_opaque import _loss, make_model
+from test_zoo_patterns import BranchesAfterBatchNorm, ReusedLinear, _fp16_loss
 from torch import nn
 
 from gs_lightning import GradientScaler, ScalingRecipe
@@ -250,3 +252,105 @@ def test_the_paper_preset_decides_as_its_rules_off_alone_would() -> None:
         scaler = _shrinking_loss_run(recipe)
         runs.append((scaler.update_iterations, scaler.scales()))
     assert runs[0] == runs[1]
+
+
+# --- each rule the paper is silent on, switched by its field: the case that needed it fails without it -------------
+
+
+def test_weight_grad_bounds_keep_a_weight_gradient_summed_over_many_rows_finite() -> None:
+    """test_scaler's case: at the scales that keep ∇X above λmin, a weight gradient summed over 4096 rows
+    overflows fp16 without its bound."""
+
+    def found_inf(**fields: object) -> bool:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        scaler = GradientScaler(model, **fields)
+        with torch.autocast("cpu", dtype=torch.float16):
+            x, upstream = torch.randn(4096, 64) * 30, torch.exp(-10 + 3 * torch.randn(4096, 64))
+            loss = (model(x).float() * upstream).sum()
+        scaler.backward(loss)
+        return scaler.found_inf
+
+    assert not found_inf() and found_inf(weight_grad_bounds=False)
+
+
+def _steps(model: nn.Module, loss: torch.Tensor, **fields: object) -> bool:
+    scaler = GradientScaler(model, **fields)
+    scaler.backward(loss)
+    return scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+
+
+def test_branch_sum_bound_keeps_a_weight_used_three_times_from_overflowing_its_fp16_sum() -> None:
+    def steps(**fields: object) -> bool:
+        torch.manual_seed(0)
+        model = ReusedLinear()
+        return _steps(model, _fp16_loss(model, [1.0 + 0.01 * torch.randn(1, 16) for _ in range(3)]), **fields)
+
+    assert steps() and not steps(branch_sum_bound=False)
+
+
+def test_gain_bounds_leave_room_for_a_batch_norm_after_a_branch_sum() -> None:
+    def steps(**fields: object) -> bool:
+        torch.manual_seed(0)
+        model, x = BranchesAfterBatchNorm(), torch.randn(64, 16)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean() * 1e-3
+        return _steps(model, loss, **fields)
+
+    assert steps() and not steps(gain_bounds=False)
+
+
+def test_kept_downstream_cap_keeps_a_cast_from_overflowing_what_its_layer_scales_down() -> None:
+    """test_drift's classifier predicting its own labels: without the cap its cast overflows at step 18."""
+
+    def skipped(**fields: object) -> list[int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        with torch.no_grad():
+            model[2].weight.mul_(40.0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = GradientScaler(model, update_interval=4, **fields)
+        x = torch.randn(64, 64)
+        with torch.no_grad():
+            predicted = model(x).argmax(1)
+        lost = []
+        for step in range(24):
+            labels = predicted.clone()
+            if step in (3, 11, 18):
+                labels[0] = (labels[0] + 1) % 8
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            scaler.backward(F.cross_entropy(logits.float(), labels) * (4.0 if step == 18 else 1.0))
+            if not scaler.step(optimizer):
+                lost.append(step)
+            scaler.update()
+        return lost
+
+    assert skipped() == [] and skipped(kept_downstream_cap=False) == [18]
+
+
+def test_opaque_margin_is_what_an_opaque_region_keeps_below_its_overflow() -> None:
+    settled = {}
+    for margin in (1, 3):
+        model = make_model()
+        scaler = GradientScaler(model, opaque_margin_log2=margin)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the opaque region's warning
+            scaler.backward(_loss(model, fp16=True))
+        (opaque,) = [layer for layer in scaler.layers() if layer.kind == "opaque"]
+        settled[margin] = opaque.log2_scale
+    assert settled[1] - settled[3] == 2
+
+
+def test_max_log2_total_scale_caps_every_accumulated_scale() -> None:
+    """fp32 gradients of 1e-38 ask for more than 2^100: capped at the field's value."""
+
+    def highest(**fields: object) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        scaler = GradientScaler(model, **fields)
+        scaler.backward(model(torch.randn(4, 8)).sum() * 1e-38)
+        return max(layer.log2_total for layer in scaler.layers())
+
+    assert highest() == 100 and highest(max_log2_total_scale=50) == 50

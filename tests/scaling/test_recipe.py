@@ -254,7 +254,7 @@ def test_the_paper_preset_decides_as_its_rules_off_alone_would() -> None:
     assert runs[0] == runs[1]
 
 
-# --- each rule the paper is silent on, switched by its field: the case that needed it fails without it -------------
+# --- rules with a switch, each turned off by its field: the case that needed it fails without it ---------------
 
 
 def test_weight_grad_bounds_keep_a_weight_gradient_summed_over_many_rows_finite() -> None:

@@ -10,10 +10,14 @@ tuned number of its own, as Transformer Engine's ``DelayedScaling`` and torchao'
   its GS cells to no skipped step;
 * :meth:`ScalingRecipe.paper`: Algorithm 1 as published (Zhao et al., IJCAI 2020): the paper's
   λmin, scales from Theorem 1 (GEMMs) and Theorem 2 (casts) alone, recomputed every
-  ``update_interval`` iterations (and after a skipped step), with no drift, expected-maxima, spike
-  or recompute rule, so that the two can be compared on the same run.
+  ``update_interval`` iterations (and after a skipped step), with each rule beyond the paper off by
+  name, so that the two can be compared on the same run. What the paper is silent on (the bounds on
+  weight gradients, branch sums and gains, opaque regions, the back-off after an overflow, the fp32
+  range of a scale) is decided as in the default.
 
-Each field's docstring says what it does and where it was measured ("How it works" in the docs).
+Each field's docstring says what it protects against, the case that needed it and the command that
+measures it ("How it works" in the docs). :meth:`ScalingRecipe.inert_fields` names the fields another
+field turns off.
 """
 
 from __future__ import annotations

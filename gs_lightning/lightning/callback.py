@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ class GradientScalingCallback(Callback):
       ``gs/recomputed_steps`` those taken although a weight gradient overflowed (recomputed in fp32),
     * ``gs/update_iterations``: backward passes so far that decided the scales (the others replayed
       them, at a fraction of the cost),
+    * ``gs/update/<reason>``: at every step whose backward decided the scales, whatever
+      ``log_every_n_steps``, how many of its updates each reason asked for
+      (:class:`~gs_lightning.scaling.schedule.UpdateReason`, lower case: ``gs/update/interval``,
+      ``gs/update/skipped_step``, ``gs/update/drift``, ...),
 
     * ``gs/total/<layer>``: log2 of the accumulated scale its outgoing gradient carries (its own
       scale times those of every layer after it in the forward pass),
@@ -81,6 +86,9 @@ class GradientScalingCallback(Callback):
     Attributes:
         update_steps: the optimizer steps whose backward decided the scales (the scaler's update
             iterations), saved in checkpoints.
+        update_reasons: step of :attr:`update_steps` -> the names of the
+            :class:`~gs_lightning.scaling.schedule.UpdateReason` members its updates ran for, saved in
+            checkpoints; with a ``WandbLogger`` logged at the end as the table ``gs/updates``.
     """
 
     def __init__(self, log_every_n_steps: int = 100, run_name: str | None = None) -> None:
@@ -91,6 +99,7 @@ class GradientScalingCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.run_name = run_name
         self.update_steps: list[int] = []
+        self.update_reasons: dict[int, list[str]] = {}
         self._updates_seen = 0
         self.history: dict[int, dict[str, float]] = {}
         self.totals: dict[int, dict[str, float]] = {}
@@ -168,8 +177,7 @@ class GradientScalingCallback(Callback):
         step, last = trainer.global_step, self._last_step
         self._last_step = step
         if self._scaler is not None and self._scaler.update_iterations > self._updates_seen:
-            self._updates_seen = self._scaler.update_iterations
-            self.update_steps.append(step)
+            self._log_updates(trainer, self._scaler, step)
         # Crossing a multiple of N, not landing on one: several optimizers advance global_step by more than 1.
         if step // self.log_every_n_steps > last // self.log_every_n_steps:
             if self._scaler is not None:
@@ -195,7 +203,7 @@ class GradientScalingCallback(Callback):
         self.history_path = save_scale_history(self.history, out / HISTORY_FILE)
         for logger in trainer.loggers:
             if isinstance(logger, WANDB_LOGGERS):
-                _log_to_wandb(logger, self.history, self.plot_paths, trainer.global_step)
+                _log_to_wandb(logger, self.history, self.plot_paths, self.update_reasons, trainer.global_step)
             elif not isinstance(logger, KNOWN_LOGGERS) and type(logger) not in self._noted_loggers:
                 self._noted_loggers.add(type(logger))
                 rank_zero_info(
@@ -211,6 +219,7 @@ class GradientScalingCallback(Callback):
             "history": {step: dict(scales) for step, scales in self.history.items()},
             "totals": {step: dict(scales) for step, scales in self.totals.items()},
             "update_steps": list(self.update_steps),
+            "update_reasons": {step: list(names) for step, names in self.update_reasons.items()},
             "skipped_steps": self._skips,
         }
 
@@ -218,6 +227,7 @@ class GradientScalingCallback(Callback):
         self.history = {int(step): dict(scales) for step, scales in state_dict["history"].items()}
         self.totals = {int(step): dict(scales) for step, scales in state_dict.get("totals", {}).items()}
         self.update_steps = [int(step) for step in state_dict.get("update_steps", [])]
+        self.update_reasons = {int(step): list(names) for step, names in state_dict.get("update_reasons", {}).items()}
         self._skips = int(state_dict.get("skipped_steps", 0))
 
     def _title(self, trainer: pl.Trainer) -> str:
@@ -239,6 +249,20 @@ class GradientScalingCallback(Callback):
     def _record_loss_scale(self, trainer: pl.Trainer, step: int) -> None:
         self._loss_scale_logged = step
         metrics = {"gs/loss_scale": math.log2(self.loss_scale), "gs/skipped_steps": float(self._skips)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _log_updates(self, trainer: pl.Trainer, scaler: GradientScaler, step: int) -> None:
+        """The updates since the last batch's end (the last ones of :attr:`GradientScaler.updates
+        <gs_lightning.scaling.GradientScaler.updates>`): kept, and logged at ``step`` as how many each reason
+        asked for."""
+        new = scaler.update_iterations - self._updates_seen
+        self._updates_seen = scaler.update_iterations
+        self.update_steps.append(step)
+        counts = Counter(reason for update in scaler.updates[-new:] for reason in update.reasons)
+        names = self.update_reasons.setdefault(step, [])
+        names += sorted(reason.name for reason in counts if reason.name not in names)
+        metrics = {f"gs/update/{reason.name.lower()}": float(count) for reason, count in counts.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
@@ -269,11 +293,21 @@ class GradientScalingCallback(Callback):
             logger.log_metrics(metrics, step=step)
 
 
-def _log_to_wandb(logger: Any, history: dict[int, dict[str, float]], plots: list[Path], step: int) -> None:
-    """The figures as images, and the history as one line-series chart per layer group: the W&B dashboard."""
+def _log_to_wandb(
+    logger: Any,
+    history: dict[int, dict[str, float]],
+    plots: list[Path],
+    update_reasons: dict[int, list[str]],
+    step: int,
+) -> None:
+    """The figures as images, the history as one line-series chart per layer group, and why each update ran as the
+    table ``gs/updates`` (step, reasons): the W&B dashboard."""
     import wandb  # only with a WandbLogger, which needs it anyway
 
     media: dict[str, Any] = {f"gs/plots/{path.stem}": wandb.Image(str(path)) for path in plots}
+    media["gs/updates"] = wandb.Table(
+        columns=["step", "reasons"], data=[[s, ", ".join(names)] for s, names in sorted(update_reasons.items())]
+    )
     steps = sorted(history)
     for group, layers in layer_groups(history_layers(history)).items():
         xs = [[s for s in steps if layer in history[s]] for layer in layers]

@@ -50,10 +50,9 @@ class SkipBackoff:
                 overflow_leaves(analysis, plan, reading.non_finite) if known else frozenset()
             )
             if caps:  # the overflowing layers are known: lower those only
-                scales.layer_backoff.lower(caps, scales.backwards, recipe.min_backoff_log2)
+                scales.layer_backoff.lower(caps, scales.schedule.backwards, recipe.min_backoff_log2)
                 named = True
-            scales.last_skip = scales.backwards
-            scales.force_update = True
+            scales.schedule.skipped()
         if not named:
             largest = max(
                 (a for scales in ran for plan in scales.plans.values() for a in plan.alpha_out.values()), default=0
@@ -66,7 +65,7 @@ class SkipBackoff:
         full interval without a skipped step allows (``update_interval=1`` included)."""
         interval = self.recipe.update_interval
         scales.layer_backoff.relax(run.alpha_out, backwards, interval)
-        if self.cap is not None and backwards % interval == 0 and backwards - scales.last_skip >= interval:
+        if self.cap is not None and scales.schedule.clean_interval(backwards, interval):
             largest = max(run.alpha_out.values(), default=0)
             self.cap = (
                 None if largest < self.cap else self.cap + 1

@@ -30,6 +30,7 @@ from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
+from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
 from gs_lightning.scaling.weak import weakly
@@ -51,6 +52,7 @@ class PreparedBackward:
         path: Path,
         parent: PreparedBackward | None,
         scales: GraphScales,
+        reasons: frozenset[UpdateReason] = frozenset(),
     ) -> None:
         self.graph = graph
         self.scales = scales  # the state of the loss graph's structure, which inner graphs share
@@ -59,6 +61,7 @@ class PreparedBackward:
         self.run = run
         self.path = path
         self.parent = parent
+        self.reasons = reasons  # why the loss's graph updates (empty for a replay and for inner graphs)
         self.handles: list = []
         self.inner: list[PreparedBackward] = []
         self.compiled: CompiledReplay | None = (
@@ -85,7 +88,8 @@ class ScaledBackwards:
     """Prepares and finishes every scaled backward of one :class:`~gs_lightning.scaling.GradientScaler`.
 
     Keeps, per graph structure, the plans and schedules (:attr:`graphs`); per iteration, the structures
-    that ran and the leaves their backwards reached, whose ``.grad`` the step reads.
+    that ran, the leaves their backwards reached, whose ``.grad`` the step reads, and the updates that ran
+    (:attr:`updates`).
 
     Args:
         recipe: The scaling recipe.
@@ -113,6 +117,8 @@ class ScaledBackwards:
         self.compiled = CompiledModules(enabled, weakly(self.updates_next), warn_once)
         self.iteration = 0  # backwards finished
         self.update_iterations = 0
+        self.updates: list[UpdateRecord] = []  # this iteration's (the last one's until a backward starts another)
+        self._iteration_ended = False
         self.ran: list[GraphScales] = []  # the structures whose backward ran since the last step
         self.written: dict[int, torch.Tensor] = {}  # the leaves those backwards reached
         self._prepared: PreparedBackward | None = None
@@ -142,7 +148,7 @@ class ScaledBackwards:
     def updates_next(self) -> bool:
         """Whether the next backward is an update iteration (compiled modules then run their forward eagerly)."""
         current = self.graphs.current
-        return current is None or current.updates_next(self.recipe.update_interval)
+        return current is None or bool(current.update_reasons(self.recipe.update_interval))
 
     def attach(self, model: nn.Module) -> None:
         """Name layers after ``model``'s modules (decided with each analysis) and take over its compiled modules."""
@@ -152,12 +158,15 @@ class ScaledBackwards:
     def prepare(self, root: Node) -> None:
         """Hook the loss's graph below ``root`` (a scale() whose backward never ran is dropped first)."""
         self.abandon()
+        if self._iteration_ended:  # the first backward of a new iteration: the last one's updates go
+            self.updates, self._iteration_ended = [], False
         with profiled("GradientScaler.prepare"):
             self._prepared = self._prepare(root, ())
 
     def end_iteration(self) -> None:
         """The step is done: the next backwards start a new iteration."""
         self.read.discard()
+        self._iteration_ended = True
         self.ran = []
         self.written.clear()
 
@@ -215,9 +224,10 @@ class ScaledBackwards:
             scales = self.graphs.of(
                 graph, self.new_drift(), self.recipe.max_graphs, keep_others=not self.compiled
             )  # compiled modules replay one plan
-            update = scales.updates_next(self.recipe.update_interval)
+            reasons = scales.update_reasons(self.recipe.update_interval)
+            update = bool(reasons)
         else:
-            scales, update = parent.scales, parent.run is not None
+            scales, update, reasons = parent.scales, parent.run is not None, frozenset()
         plan, analysis = scales.plans.get(path), scales.analyses.get(path)
         known = plan is not None and plan.matches(graph)
         exit_leaves = frozenset(
@@ -245,7 +255,7 @@ class ScaledBackwards:
             if replay
             else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
         )
-        prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales)
+        prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales, reasons)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
         prepared.handles += run.register() if run is not None else plan.replay(graph, leaves)
@@ -265,7 +275,7 @@ class ScaledBackwards:
             return None
         if self.compiled.stale():
             if self.graphs.current is not None:
-                self.graphs.current.force_update = True
+                self.graphs.current.schedule.ask(UpdateReason.COMPILED_WITHOUT_SCALES)
             return None
         analysis, replay = self.compiled.replay(
             graph,
@@ -404,21 +414,22 @@ class ScaledBackwards:
         if scales not in self.ran:
             self.ran.append(scales)
         if run is not None:
-            self._finish_update(run, scales)
+            self._finish_update(run, scales, prepared.reasons)
         if (run is not None or self.compiled.ran_eagerly()) and self.compiled:  # a replay too: after load_state_dict
             if not self.compiled.locate(graph, scales.plans[()], scales.analyses[()], self.iteration):
-                scales.force_update = True
+                scales.schedule.ask(UpdateReason.COMPILED_WITHOUT_SCALES)
         self.compiled.end_iteration()
         self.iteration += 1
-        scales.backwards += 1
+        scales.schedule.backwards += 1
 
-    def _finish_update(self, run: UpdateRun, scales: GraphScales) -> None:
+    def _finish_update(self, run: UpdateRun, scales: GraphScales, reasons: frozenset[UpdateReason]) -> None:
+        """The update ``reasons`` asked for is done: its plan kept, its scales read with the step's, recorded."""
         self.update_iterations += 1
         plan = scales.plans[()] = run.plan()
         scales.keep_update(
-            run, plan, partial(self.backoff.updated, run, scales, scales.backwards)
+            run, plan, partial(self.backoff.updated, run, scales, scales.schedule.backwards)
         )  # once its scales are read
-        scales.force_update = False
+        self.updates.append(scales.schedule.updated(self.iteration, reasons))
 
 
 def _fed_once(leaves: frozenset[int], analysis: GraphAnalysis) -> frozenset[int]:

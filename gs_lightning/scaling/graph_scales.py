@@ -20,6 +20,7 @@ from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
 from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite, read
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
+from gs_lightning.scaling.schedule import UpdateReason, UpdateSchedule
 
 if TYPE_CHECKING:
     from gs_lightning.scaling.update import UpdateRun
@@ -37,10 +38,8 @@ class GraphScales:
         analyses: Their node classifications (rebuilt after a restore or :meth:`GradientScaler.attach`).
         drift: Its weight gradients' largest values, between updates and at them.
         layer_backoff: Caps on its nodes that overflowed.
-        backwards: Backwards of this structure run so far: its update schedule counts these.
-        last_skip: :attr:`backwards` at the last skipped step it took part in.
-        force_update: Whether its next backward decides the scales again (a skipped step, the drift, a weight
-            gradient's bound that held unmeasured).
+        schedule: When its backwards update, what asked for the next update, and why its last one ran (its
+            backwards counted there).
         measured_weights: Per path, the GEMMs whose weight gradients its updates compute exactly (where the
             Cauchy–Schwarz bound binds): those where it held the scale on an earlier update, every GEMM before the
             first (no entry). A GEMM joins as its bound first holds; unmeasured then, the next backward updates.
@@ -62,9 +61,7 @@ class GraphScales:
             tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]
         ] = []  # updates whose scales are unread
         self.measured_weights: dict[Path, frozenset[int]] = {}
-        self.backwards = 0
-        self.last_skip = 0
-        self.force_update = False
+        self.schedule = UpdateSchedule()
 
     @property
     def layers(self) -> dict[str, LayerScale]:
@@ -141,7 +138,7 @@ class GraphScales:
         the next backward updates."""
         self.measured_weights[path] = self.measured_weights.get(path, frozenset()) | decisions.weight_bound
         if decisions.weight_bound & decisions.unmeasured:
-            self.force_update = True
+            self.schedule.ask(UpdateReason.UNMEASURED_WEIGHT_BOUND)
 
     def _unread_scales(self) -> list[torch.Tensor]:
         """The scales and decisions of the runs kept unread, each tensor once."""
@@ -155,9 +152,10 @@ class GraphScales:
         """Whether ``graph`` has this structure."""
         return graph.same_structure(self.names, self.edges)
 
-    def updates_next(self, interval: int) -> bool:
-        """Whether its next backward is an update iteration: asked for, due (every ``interval``-th), or never decided."""
-        return self.force_update or self.backwards % interval == 0 or () not in self.plans
+    def update_reasons(self, interval: int) -> frozenset[UpdateReason]:
+        """Why its next backward is an update iteration (empty: it replays): asked for, due (every ``interval``-th), or
+        never decided (:meth:`UpdateSchedule.reasons <gs_lightning.scaling.schedule.UpdateSchedule.reasons>`)."""
+        return self.schedule.reasons(interval, () in self.plans)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain containers only (checkpoints are loaded with ``weights_only=True``)."""
@@ -169,9 +167,7 @@ class GraphScales:
             "layer_backoff": self.layer_backoff.state_dict(),
             "layers": [layer.state_dict() for layer in self.layers.values()],
             "first_non_finite": self.first_non_finite,
-            "backwards": self.backwards,
-            "last_skip": self.last_skip,
-            "force_update": self.force_update,
+            **self.schedule.state_dict(),
             "measured_weights": [[list(path), sorted(nodes)] for path, nodes in self.measured_weights.items()],
         }
 
@@ -185,9 +181,7 @@ class GraphScales:
         graph.layer_backoff.load_state_dict(state.get("layer_backoff", []))
         graph.layers = {layer["name"]: LayerScale.from_state_dict(layer) for layer in state.get("layers", [])}
         graph._first_non_finite = state.get("first_non_finite")
-        graph.backwards = int(state.get("backwards", 0))
-        graph.last_skip = int(state.get("last_skip", 0))
-        graph.force_update = bool(state.get("force_update", False))
+        graph.schedule.load_state_dict(state)
         graph.measured_weights = {tuple(path): frozenset(nodes) for path, nodes in state.get("measured_weights", [])}
         return graph
 

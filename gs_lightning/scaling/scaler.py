@@ -52,6 +52,7 @@ from gs_lightning.scaling.graph_scales import GraphScales, one_graph_state
 from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
+from gs_lightning.scaling.schedule import UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.steps import FoundInf, OptimizerSteps
 from gs_lightning.scaling.weak import weakly
@@ -165,6 +166,14 @@ class GradientScaler:
         a skipped step or a new graph structure asked for); the others replayed them. What an update
         costs against a plain backward: the documentation's results, "Overhead on the backward pass"."""
         return self._backwards.update_iterations
+
+    @property
+    def updates(self) -> tuple[UpdateRecord, ...]:
+        """The update iterations of the current iteration (of the last one, until a backward starts the next), and
+        why each ran: one :class:`~gs_lightning.scaling.schedule.UpdateRecord` per backward that decided the scales,
+        its ``reasons`` members of :class:`~gs_lightning.scaling.schedule.UpdateReason` (``INTERVAL``,
+        ``SKIPPED_STEP``, ``DRIFT``, ...). Empty where every backward replayed. Host values: no synchronisation."""
+        return tuple(self._backwards.updates)
 
     @property
     def consecutive_skips(self) -> int:

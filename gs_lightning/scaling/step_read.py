@@ -23,6 +23,7 @@ from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
+from gs_lightning.scaling.schedule import drift_reasons
 
 
 class StepRead:
@@ -120,7 +121,7 @@ class StepRead:
         self.recompute.clear()
         for graph in unread:
             if graph.drift.last.drifted and not self._surprise_within_margin(graph):
-                graph.force_update = True
+                graph.schedule.ask(*drift_reasons(graph.drift.last))
         return self._read_gradients(grads, sharded) if recomputed else non_finite
 
     def _surprise_within_margin(self, graph: GraphScales) -> bool:

@@ -30,6 +30,7 @@ from gs_lightning.analysis import (
     save_scale_history,
 )
 from gs_lightning.lightning.callback import RandomStateCallback
+from gs_lightning.scaling.schedule import UpdateReason
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -153,6 +154,32 @@ def test_loss_scaling_plugins_log_the_loss_scale_and_the_skipped_steps(
     assert callback.state_dict()["skipped_steps"] == 1
 
 
+def test_every_update_is_logged_with_why_it_ran_whatever_log_every_n_steps(tmp_path: Path) -> None:
+    """The first backward, the one after the skipped step, the interval's: each step that updated has its reasons,
+    by member name, in ``update_reasons`` (and checkpoints) and as ``gs/update/<reason>`` in every logger."""
+    torch.manual_seed(0)
+    plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=100)
+    logger = CSVLogger(tmp_path)
+    model = Classifier(inf_steps=(2,), hidden_layers=1, inf_inputs=True)  # an inf input: the graph stays the same
+    fit(plugin, callback, 5, tmp_path, model=model, logger=logger)
+
+    assert sorted(callback.update_reasons) == callback.update_steps and callback.update_steps
+    assert callback.update_reasons[callback.update_steps[0]] == [UpdateReason.FIRST.name]
+    reasons = {UpdateReason[name] for names in callback.update_reasons.values() for name in names}
+    assert {UpdateReason.SKIPPED_STEP, UpdateReason.INTERVAL} <= reasons
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        logged = {
+            (int(row["step"]), key.removeprefix("gs/update/"))
+            for row in csv.DictReader(file)
+            for key, value in row.items()
+            if key.startswith("gs/update/") and value
+        }
+    assert logged == {(step, name.lower()) for step, names in callback.update_reasons.items() for name in names}
+    restored = GradientScalingCallback()
+    restored.load_state_dict(callback.state_dict())
+    assert restored.update_reasons == callback.update_reasons
+
+
 def test_offline_wandb_run_holds_the_scale_history_and_both_images(
     tmp_path: Path, monkeypatch, lightning_package: str
 ) -> None:
@@ -186,6 +213,10 @@ def test_offline_wandb_run_holds_the_scale_history_and_both_images(
     assert logged == {
         (step, layer): value for step, scales in callback.history.items() for layer, value in scales.items()
     }
+    (updates,) = (run / "files/media/table/gs").glob("updates_*.table.json")  # why each update ran
+    content = json.loads(updates.read_text())
+    assert content["columns"] == ["step", "reasons"]
+    assert content["data"] == [[step, ", ".join(names)] for step, names in sorted(callback.update_reasons.items())]
     # The logged metrics are in the run's transaction log (protobuf): their keys are stored verbatim.
     # W&B's service process may still be writing it after wandb.finish() returns on a busy machine.
     (log,) = run.glob("run-*.wandb")

@@ -10,8 +10,8 @@ import copy
 import functools
 import math
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -29,6 +29,7 @@ from gs_lightning.scaling.drift import (
 )
 from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.recipe import ScalingRecipe
+from gs_lightning.scaling.schedule import UpdateReason
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14
@@ -434,26 +435,42 @@ def _large_inputs(model: nn.Module) -> torch.Tensor:
     )
 
 
+HARD = tuple(step for step in range(40) if step % 7 == 6)  # _hard_batches' hard batches
+
+
+class HardBatches(NamedTuple):
+    """What :func:`_hard_batches` saw: the skipped steps, and why each step's backward updated (empty: a replay)."""
+
+    skipped: list[int]
+    reasons: list[frozenset[UpdateReason]]
+
+    def after(self, steps: Iterable[int]) -> list[frozenset[UpdateReason]]:
+        """Why the backward after each of ``steps`` updated."""
+        return [self.reasons[step + 1] for step in steps]
+
+
 def _hard_batches(
     scaler: GradientScaler,
     model: nn.Module,
     log2_spikes: tuple[float, ...] = (8,) * 5,
     loss_of: Callable[[nn.Module], torch.Tensor] = _large_inputs,
-) -> list[int]:
-    """40 steps of ``loss_of`` under fp16 autocast, every 7th batch a hard one, the n-th with gradients
-    2^log2_spikes[n] larger; returns the skipped steps."""
+) -> HardBatches:
+    """40 steps of ``loss_of`` under fp16 autocast, every 7th batch a hard one (:data:`HARD`), the n-th with gradients
+    2^log2_spikes[n] larger."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    skipped = []
+    run = HardBatches([], [])
     for step in range(40):
-        spike = log2_spikes[step // 7] if step % 7 == 6 else 0
+        spike = log2_spikes[HARD.index(step)] if step in HARD else 0
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = loss_of(model) * 2.0**spike
         scaler.backward(loss)
+        (update,) = scaler.updates or (None,)
+        run.reasons.append(frozenset() if update is None else update.reasons)
         if not scaler.step(optimizer):
-            skipped.append(step)
+            run.skipped.append(step)
         scaler.update()
-    return skipped
+    return run
 
 
 def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> None:
@@ -466,12 +483,15 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model)
-    assert _hard_batches(scaler, model) == [] and scaler.recomputed_steps == 5
+    assert _hard_batches(scaler, model).skipped == [] and scaler.recomputed_steps == len(HARD)
     assert any(layer.limit is Limit.RECOMPUTED_SPIKES for layer in scaler.layers())
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model, recompute_weight_gradients=False)  # the scales keep clear of every spike
-    assert _hard_batches(scaler, model) == [6, 13] and scaler.recomputed_steps == 0
+    run = _hard_batches(scaler, model)
+    # Only hard batches overflow, and not all: each skip makes the next backward an update, named for it.
+    assert set(run.skipped) < set(HARD) and scaler.recomputed_steps == 0
+    assert all(UpdateReason.SKIPPED_STEP in reasons for reasons in run.after(run.skipped))
     assert any(layer.limit.expected for layer in scaler.layers())
 
 
@@ -484,7 +504,10 @@ def test_a_batch_above_what_the_update_expected_asks_for_the_next_update() -> No
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model, recompute_weight_gradients=False)
-    assert _hard_batches(scaler, model, (2, 4, 6, 8, 10)) == [6]  # the first hard batch: nothing to expect it from
+    run = _hard_batches(scaler, model, (2, 4, 6, 8, 10))
+    assert run.skipped == [HARD[0]]  # the first hard batch: nothing to expect it from
+    # every later one rose above what was expected of it, out of the margin: the next backward updates, for that
+    assert all(reasons == {UpdateReason.EXPECTED_MAXIMUM_EXCEEDED} for reasons in run.after(HARD[1:]))
     assert scaler.drift.surprise_log2 < 0.0  # the last batch, an easy one, stayed below what was expected
 
 
@@ -500,7 +523,7 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update() 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
         scaler = GradientScaler(model, recompute_weight_gradients=False, **changes)
-        assert _hard_batches(scaler, model, (2, 2.25, 2.5, 2.75, 3)) == [6]
+        assert _hard_batches(scaler, model, (2, 2.25, 2.5, 2.75, 3)).skipped == [HARD[0]]
         return scaler
 
     scaler = run()
@@ -534,7 +557,7 @@ def test_spike_room_is_kept_where_only_precision_is_lost() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model, recompute_weight_gradients=False)
-    assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples) == [6]  # nothing expected the first
+    assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples).skipped == [HARD[0]]  # nothing expected
     first = scaler.layers()[-1]
     assert first.limit is Limit.SPIKE_ROOM
     lost = scaler.lambda_lost_value * 2.0**-first.log2_total

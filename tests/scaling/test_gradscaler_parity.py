@@ -292,10 +292,10 @@ def test_grad_scaling_update_scale() -> None:
     assert scaler.state_dict()["backoff"] is None
     assert not iteration(True)
     state = scaler.state_dict()
-    assert state["graphs"][-1]["force_update"] and state["backoff"] is not None
+    assert state["graphs"][-1]["update_reasons"] == ["SKIPPED_STEP"] and state["backoff"] is not None
     capped = state["backoff"]
     assert iteration(False)  # decides new scales under the cap
-    assert not scaler.state_dict()["graphs"][-1]["force_update"]
+    assert scaler.state_dict()["graphs"][-1]["update_reasons"] == []
     assert max(layer.log2_total for layer in scaler.layers()) <= capped
     for _ in range(4):  # two clean intervals
         assert iteration(False)

@@ -109,6 +109,9 @@ def test_plugins_are_documented_classes(package):
 
 
 DEMO = """
+__all__ = ["Base", "Made", "NOT_A_CLASS"]
+
+
 class Base:
     \"\"\"The base; see :class:`Made`.\"\"\"
 
@@ -150,3 +153,14 @@ def test_reference_renders_as_link_where_rendered_and_as_code_elsewhere(package)
     assert re.search(link, fixed)
     # A target the site does not render is plain code, titled with its path.
     assert '<span title="gs_lightning.scaling.scaler.GradientScaler.step"><code>step()</code></span>' in fixed
+
+
+def test_class_made_at_import_that_cannot_be_imported_is_warned_about(tmp_path, monkeypatch, caplog):
+    (tmp_path / "sphinx_roles_broken").mkdir()
+    (tmp_path / "sphinx_roles_broken" / "__init__.py").write_text('__all__ = ["Made"]\nMade = {}["Made"]\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    extensions = griffe.load_extensions(str(EXTENSION))
+    with caplog.at_level("WARNING"):
+        broken = griffe.load("sphinx_roles_broken", search_paths=[tmp_path], extensions=extensions)
+    assert broken["Made"].is_attribute
+    assert "sphinx_roles_broken is imported to document Made, made at import time, and failed: KeyError" in caplog.text

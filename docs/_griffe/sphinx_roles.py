@@ -12,8 +12,8 @@ docstring of it:
   annotations: the reference is a link wherever the target is rendered on the site, and plain code where it is not,
   so ``mkdocs build --strict`` never fails on a reference to something the API pages leave out. A target that is
   neither in the package nor dotted (so cannot be anything rendered) becomes plain inline code.
-* A public module-level name bound to a class made at import time (``X = make_classes()["X"]``, invisible to static
-  analysis) is documented as that class, read from the imported module.
+* A name exported by an ``__all__`` and bound to a class made at import time (``X = make_classes()["X"]``, invisible
+  to static analysis) is documented as that class, read from the imported module.
 * A paragraph ending in ``::`` followed by an indented block becomes the paragraph ending in ``:`` (or nothing, for
   a lone or space-separated ``::``) and a fenced code block, highlighted as Python when the block parses as Python.
 
@@ -29,6 +29,7 @@ import inspect
 import re
 import textwrap
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import griffe
@@ -47,7 +48,6 @@ class Resolver:
     """Finds the object a Sphinx cross-reference target names, seen from one docstring's owner."""
 
     def __init__(self, package: griffe.Module) -> None:
-        self.package = package
         # Suffix ("paper", "ScalingRecipe.paper") -> the objects of the package whose path ends with it, for
         # targets named neither in scope nor absolutely (Sphinx's fallback search). Aliases are left out: an
         # alias names an object defined elsewhere in the package (found there) or outside it (not ours to link).
@@ -82,7 +82,7 @@ class Resolver:
     def _absolute(self, owner: griffe.Object, target: str) -> griffe.Object | None:
         try:
             found = owner.modules_collection.get_member(target)
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
             return None
         return _final(found)
 
@@ -118,7 +118,7 @@ def _walk(scope: griffe.Object, parts: list[str]) -> griffe.Object | None:
     return found
 
 
-def iter_objects(obj: griffe.Object):
+def iter_objects(obj: griffe.Object) -> Iterator[griffe.Object]:
     """``obj`` and every object defined under it (aliases, i.e. imports and re-exports, left out)."""
     yield obj
     for member in obj.members.values():
@@ -227,24 +227,48 @@ def convert_docstring(text: str, owner: griffe.Object, resolver: Resolver) -> st
     return "\n".join(parts)
 
 
-def _document_runtime_classes(module: griffe.Module, loader: griffe.GriffeLoader) -> None:
-    """Replace ``module``'s public names bound to classes made at import time by those classes.
+def _exported(package: griffe.Module) -> set[str]:
+    """The paths of the objects named in an ``__all__`` of the package, where they are defined."""
+    paths = set()
+    for module in iter_objects(package):
+        if not module.is_module:
+            continue
+        for name in module.exports or ():
+            member = module.members.get(name if isinstance(name, str) else name.name)
+            if member is not None:
+                paths.add(member.target_path if member.is_alias else member.path)
+    return paths
+
+
+def _document_runtime_classes(module: griffe.Module, exported: set[str], loader: griffe.GriffeLoader) -> None:
+    """Replace ``module``'s exported names bound to classes made at import time by those classes.
 
     ``GradientScalingPlugin = _PLUGINS["GradientScalingPlugin"]`` is an attribute without a docstring to static
-    analysis, so mkdocstrings would leave the class out. Only names bound by a call or a subscript are candidates,
-    and the module is imported only when it has one; a class counts if it says it was made here under that name.
+    analysis, so mkdocstrings would leave the class out. Only names some ``__all__`` exports and that are bound by a
+    call or a subscript are candidates, and the module is imported only when it has one; a class counts if it says it
+    was made here under that name.
     """
     candidates = [
         member
-        for name, member in module.members.items()
-        if not name.startswith("_")
+        for member in module.members.values()
+        if member.path in exported
         and not member.is_alias
         and member.is_attribute
         and isinstance(member.value, (griffe.ExprCall, griffe.ExprSubscript))
     ]
     if not candidates:
         return
-    runtime = importlib.import_module(module.path)
+    try:
+        runtime = importlib.import_module(module.path)
+    except Exception as error:  # noqa: BLE001 - whatever stops the import, the pages would miss the classes
+        griffe.logger.warning(
+            "%s is imported to document %s, made at import time, and failed: %r (install the package and its "
+            "dependencies: pip install -e '.[docs]')",
+            module.path,
+            ", ".join(member.name for member in candidates),
+            error,
+        )
+        return
     for attribute in candidates:
         value = getattr(runtime, attribute.name, None)
         if not (isinstance(value, type) and value.__module__ == module.path and value.__qualname__ == attribute.name):
@@ -272,8 +296,9 @@ class SphinxRoles(griffe.Extension):
     """Rewrites each docstring of a loaded package from Sphinx markup to Markdown (see the module docstring)."""
 
     def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
+        exported = _exported(pkg)
         for module in [obj for obj in iter_objects(pkg) if obj.is_module]:
-            _document_runtime_classes(module, loader)
+            _document_runtime_classes(module, exported, loader)
         resolver = Resolver(pkg)
         for obj in iter_objects(pkg):
             if obj.docstring is not None:

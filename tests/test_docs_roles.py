@@ -52,9 +52,19 @@ def test_no_public_docstring_keeps_sphinx_markup(package):
 
 
 def test_absolute_reference_becomes_optional_autoref(package):
-    doc = package["scaling.scaler.GradientScaler"].docstring.value
-    # :class:`~gs_lightning.scaling.recipe.ScalingRecipe`: the last name shown, the full path linked.
-    assert '<autoref identifier="gs_lightning.scaling.recipe.ScalingRecipe" optional>`ScalingRecipe`</autoref>' in doc
+    resolver = sphinx_roles.Resolver(package)
+    owner = package["simulate"]
+    converted = sphinx_roles.convert_docstring(
+        "See :class:`~gs_lightning.scaling.recipe.ScalingRecipe` and :class:`gs_lightning.GradientScaler`.",
+        owner,
+        resolver,
+    )
+    # `~`: the last name shown; the link goes to where the object is defined, which autorefs maps to where it is shown.
+    assert converted == (
+        'See <autoref identifier="gs_lightning.scaling.recipe.ScalingRecipe" optional>`ScalingRecipe`</autoref> and '
+        '<autoref identifier="gs_lightning.scaling.scaler.GradientScaler" optional>'
+        "`gs_lightning.GradientScaler`</autoref>."
+    )
 
 
 def test_relative_references_resolve_in_scope(package):

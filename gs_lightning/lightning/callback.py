@@ -244,7 +244,8 @@ class GradientScalingCallback(Callback):
         plugin = trainer.precision_plugin
         grads = f"{str(getattr(plugin, 'grad_dtype', 'float16')).removeprefix('torch.')} gradients"
         emulated = ", emulated" if getattr(plugin, "emulate", False) is True else ""
-        return f"{run or trainer.default_root_dir}\n{type(plugin).__name__} ({grads}{emulated}): log2 gradient scale per layer"
+        heading = f"{type(plugin).__name__} ({grads}{emulated}): log2 gradient scale per layer"
+        return f"{run or trainer.default_root_dir}\n{heading}"
 
     def _record_loss_scale(self, trainer: pl.Trainer, step: int) -> None:
         self._loss_scale_logged = step

@@ -32,7 +32,8 @@ class SkipBackoff:
         self.cap: int | None = None
 
     def total_cap(self) -> int | None:
-        """The log2 cap on every accumulated scale: the back-off's, the recipe's ``max_total_scale`` and fp32's range."""
+        """The log2 cap on every accumulated scale: the back-off's, the recipe's ``max_total_scale`` and fp32's
+        range."""
         recipe = self.recipe
         caps = [c for c in (self.cap, log2_floor(recipe.max_total_scale), recipe.max_log2_total_scale) if c is not None]
         return min(caps) if caps else None

@@ -76,12 +76,14 @@ class GraphScales:
 
     @property
     def first_non_finite(self) -> str | None:
-        """The first layer, in backward order, whose gradient was non-finite on its last update (reads as :attr:`layers`)."""
+        """The first layer, in backward order, whose gradient was non-finite on its last update (reads as
+        :attr:`layers`)."""
         self._read_update()
         return self._first_non_finite
 
     def keep_update(self, run: UpdateRun, plan: ScalePlan, after_read: Callable[[], None] | None = None) -> None:
-        """An update's plan, layers, finiteness flags and underflow counts (on the device), read with the step's (:meth:`unread`);
+        """An update's plan, layers, finiteness flags and underflow counts (on the device), read with the step's
+        (:meth:`unread`);
         ``after_read``: what needs their values then. The plan reads them all if asked for first."""
         self.keep_scales(run, plan, (), after_read)
         self._updated = run.decisions.layers  # filled in as read
@@ -94,12 +96,14 @@ class GraphScales:
     def keep_scales(
         self, run: UpdateRun, plan: ScalePlan, path: Path, after_read: Callable[[], None] | None = None
     ) -> None:
-        """A run's plan (a reentrant checkpoint's inner graph's, at ``path``, too), its scales read with the step's (:meth:`unread`)."""
+        """A run's plan (a reentrant checkpoint's inner graph's, at ``path``, too), its scales read with the step's
+        (:meth:`unread`)."""
         plan.settle = self._read_update
         self._runs.append((run, plan, path, after_read))
 
     def unread(self) -> list[torch.Tensor]:
-        """What the last update left on the device: its scales and decisions, its finiteness flags, its underflow counts."""
+        """What the last update left on the device: its scales and decisions, its finiteness flags, its underflow
+        counts."""
         scales = self._unread_scales()
         if self._unread is None:
             return scales
@@ -107,7 +111,8 @@ class GraphScales:
         return scales + [v for _, flag in flags for v in flag] + [t for r in rates for t in r.tensors()]
 
     def take_reading(self, values: list[float]) -> None:
-        """:meth:`unread` as read (in order): the scales and decisions, the first non-finite layer, the layers' underflow rates."""
+        """:meth:`unread` as read (in order): the scales and decisions, the first non-finite layer, the layers'
+        underflow rates."""
         scales = self._unread_scales()
         known = dict(zip(scales, values))
         runs, self._runs = self._runs, []
@@ -134,8 +139,9 @@ class GraphScales:
         self.layers = {layer.name: layer for layer in layers}
 
     def _measure_weights(self, path: Path, decisions: NodeDecisions) -> None:
-        """The GEMMs whose weight-gradient bound held on an update join :attr:`measured_weights`; where it held unmeasured,
-        the next backward updates."""
+        """The GEMMs whose weight-gradient bound held on an update join :attr:`measured_weights`; where it held
+        unmeasured, the next backward updates (:attr:`UpdateReason.UNMEASURED_WEIGHT_BOUND
+        <gs_lightning.scaling.schedule.UpdateReason.UNMEASURED_WEIGHT_BOUND>`)."""
         self.measured_weights[path] = self.measured_weights.get(path, frozenset()) | decisions.weight_bound
         if decisions.weight_bound & decisions.unmeasured:
             self.schedule.ask(UpdateReason.UNMEASURED_WEIGHT_BOUND)
@@ -249,7 +255,8 @@ class GraphRegistry:
 
 
 def one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """A scaler's state saved before it kept one state per graph structure, as :meth:`GraphRegistry.state_dict` has it."""
+    """A scaler's state saved before it kept one state per graph structure, as :meth:`GraphRegistry.state_dict`
+    has it."""
     plans = (
         state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []
     )  # saved before nested plans: one

@@ -150,10 +150,7 @@ def test_a_checkpoint_of_one_plan_loads() -> None:
     (graph,) = state.pop("graphs")
     old = {
         **state,
-        **{
-            k: graph[k]
-            for k in ("plans", "drift", "layer_backoff", "layers", "first_non_finite", "last_skip")
-        },
+        **{k: graph[k] for k in ("plans", "drift", "layer_backoff", "layers", "first_non_finite", "last_skip")},
         "force_update": False,  # what asked for an update was a bool then
     }
     restored = GradientScaler(model, update_interval=INTERVAL)

@@ -772,12 +772,28 @@ def _as_overrides(message: str, key: str, target: str) -> str:
     return re.sub(rf"(?<![\w.])({'|'.join(map(re.escape, names))})=", rf"{key}.\1=", message)
 
 
+# Overrides that train a recipe on generated data in its dataset's on-disk layout, by datamodule;
+# docs/guide/app.md ("Trying a recipe without its dataset") gives each recipe's command with them.
+GENERATED_DATA = {
+    "CamVidDataModule": "data.root='${paths.cache_dir}/camvid_try' "
+    "'++data.synthetic={n_train: 24, n_val: 4, n_test: 4, size: [96, 128]}'",
+    "ImageNetDataModule": "data.root='${paths.cache_dir}/imagenet_try' "
+    "'++data.synthetic={num_classes: 10, n_train_per_class: 8, n_val_per_class: 2, size: [64, 64]}' task.num_classes=10",
+    "VOCDataModule": "data.root='${paths.cache_dir}/voc_try' '++data.synthetic={n_trainval: 16, n_test: 8}'",
+}
+
+
 def _data_root_hint(error: Exception, cfg: DictConfig) -> str:
-    """A dataset error also names the ``data.root`` setting that points at the folder."""
+    """A dataset error also names the ``data.root`` setting that points at the folder, and the
+    overrides that try the recipe on generated data instead."""
     if not isinstance(error, DatasetError):
         return str(error)
     root = Path(str(cfg.data.root)).expanduser().resolve()
-    return f"{error} (data.root={root}; set data.root=/path/to/dataset or GS_DATA_DIR)"
+    hint = f"{error} (data.root={root}; set data.root=/path/to/dataset or GS_DATA_DIR"
+    generated = GENERATED_DATA.get(str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1])
+    if generated is None or cfg.data.get("synthetic") is not None:
+        return hint + ")"
+    return f"{hint}; to try the recipe without the dataset, on generated data: {generated}, see docs/guide/app.md)"
 
 
 class _DropTips(logging.Filter):

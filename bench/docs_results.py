@@ -2,16 +2,19 @@
 
 Two steps. First record a run: the bench writes its JSON into ``docs/results/data/NAME.json`` and
 this script writes beside it what the pages state about the run (``NAME.run.json``: the command,
-the commit and whether the code had uncommitted changes, the date, the machine, the wall time),
-and keeps the run's console output (``NAME.out.txt``):
+the commit and whether the code had uncommitted changes, the date, the machine, the Python, torch
+and Lightning versions, the wall time), and keeps the run's console output (``NAME.out.txt``).
+``record --add`` runs a command that adds rows to a recorded run (``compare_training.py --merge``)
+and lists its provenance beside the first's:
 
     python bench/docs_results.py record overhead --title "ResNet-50, one CPU thread" -- \\
         python bench/overhead.py --rounds 41 --json docs/results/data/overhead.json
     python bench/docs_results.py record demo --title "python train.py" -- python train.py
-    python bench/docs_results.py record training --add -- \\
-        python bench/compare_training.py --methods fp16-gs-paper --merge docs/results/data/training.json
+    python bench/docs_results.py record training --add --note "The machine was shared." -- \\
+        python bench/compare_training.py --tasks resnet segnet --steps 200 --seeds 3 \\
+        --methods fp16-gs-paper e5m2-gs-paper --merge docs/results/data/training.json
 
-Then write the pages (``docs/results/*.md``, the training curves, and the table between the
+Then write the pages (``docs/results/*.md``, the training figures, and the table between the
 README's ``results`` markers), from every recorded run, with no hand-edited number:
 
     python bench/docs_results.py            # write
@@ -686,10 +689,25 @@ def demo_output(run: Recorded) -> str:
 
 
 def demo_section(run: Recorded) -> list[str]:
+    p = run.provenance
+    versions = (
+        f"Python {p['python']}, torch {p['torch']} and Lightning {p['lightning']}"
+        if "torch" in p
+        else f"Python {p['python']} and the torch and Lightning versions of the day (not recorded)"
+    )
     return [
-        f"## {run.provenance['title']}",
+        f"## {p['title']}",
         "",
         *run.provenance_lines(),
+        f"Which numbers depend on what: the final metrics, the per-layer scales and estimated underflow, and the "
+        f"counts of skipped steps, recomputed steps and of backwards that decided the scales are what this commit "
+        f"prints with {versions} on this machine's CPU. torch's kernels and random generators decide every "
+        "rounding, the initial weights and the order of the batches, and Lightning runs the loop around them "
+        "(seeding, validation, the steps it counts): another torch or Lightning version, or a CPU whose instruction "
+        "set makes torch pick other kernels, can print other numbers; the same commit on the same versions and CPU "
+        "prints these. The layer names, the number of steps (`trainer.max_steps` in `recipes/demo.yaml`), the "
+        "table's layout and the files it lists depend on the commit alone.",
+        "",
         "What it prints at the end:",
         "",
         "```text",
@@ -799,6 +817,7 @@ PAGES = (
         "Hugging Face transformers, packed RNNs; timm and transformers when installed), times a plain backward, "
         "a GS update iteration and a GS replay in fp32, and checks that every `.grad` equals plain backward's "
         "bit for bit after both (*exact*).",
+        wide=True,
     ),
     Page(
         "fidelity.md",
@@ -817,6 +836,7 @@ PAGES = (
         "`python train.py` trains SegNet-basic on a generated CamVid-format dataset with gradient scaling "
         "(fp16 emulated on a CPU, real fp16 on a GPU) and prints its final metrics, the per-layer scale table "
         "and where it wrote its files.",
+        wide=True,
     ),
 )
 

@@ -130,3 +130,26 @@ def test_underflow_by_tensor_names_the_tensors_that_underflowed_most(compare_tra
     entering.add(activation, half_lost)
     entering.collect_with_oracle()
     assert entering.worst(5) == "#0 ∇Y (4,) 50.00%"
+
+
+def test_merge_adds_the_paper_rows_to_an_earlier_table(compare_training, tmp_path: Path) -> None:
+    table = tmp_path / "table.json"
+    common = ["--quick", "--steps", "2", "--cache", str(tmp_path / "data"), "--tasks", "resnet"]
+    first = compare_training.main([*common, "--methods", "fp32", "fp16-gs", "--json", str(table)])
+    merged = compare_training.main([*common, "--methods", "fp16-gs", "fp16-gs-paper", "--merge", str(table)])
+    # fp16-gs ran again and took its earlier place; the paper's row follows; fp32 is kept as it was.
+    assert [r.method for r in merged] == ["fp32", "fp16-gs", "fp16-gs-paper"]
+    assert merged[0] == first[0] and [r["method"] for r in json.loads(table.read_text())] == [
+        "fp32",
+        "fp16-gs",
+        "fp16-gs-paper",
+    ]
+    paper = merged[2]
+    assert paper.label == compare_training.PAPER_LABEL and paper.update_iterations >= 1
+    assert compare_training.METHODS["e5m2-gs-paper"].grads == "e5m2"
+    assert {"fp16-gs-paper", "e5m2-gs-paper"} <= set(compare_training.DEFAULT_METHODS)
+
+    with pytest.raises(SystemExit):  # another number of steps than the table's
+        compare_training.main([*common[:2], "3", *common[3:], "--methods", "fp16-gs-paper", "--merge", str(table)])
+    with pytest.raises(SystemExit):  # no such table
+        compare_training.main([*common, "--methods", "fp32", "--merge", str(tmp_path / "missing.json")])

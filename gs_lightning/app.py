@@ -145,7 +145,10 @@ def _key_hint(override: Override, config: dict[str, Any]) -> str:
             return f"{where} has no key {part!r}; its keys: {', '.join(keys)}"
         rest = ".".join(parts[depth + 1 :])
         spelled = [".".join(p for p in (level, key, rest) if p) + f"={value}" for key in near]
-        return f"Did you mean {' or '.join(spelled)}? ({where} has no key {part!r}; a leading + would add one that nothing reads)"
+        return (
+            f"Did you mean {' or '.join(spelled)}? ({where} has no key {part!r}; "
+            "a leading + would add one that nothing reads)"
+        )
     return ""
 
 
@@ -246,7 +249,8 @@ def _check_mesh(cfg: DictConfig) -> None:
     size = strategy.get("tensor_parallel_size", "auto")
     if size != 1:
         raise AppError(
-            f"trainer.strategy.tensor_parallel_size={size}: the tasks shard their networks over data-parallel ranks only "
+            f"trainer.strategy.tensor_parallel_size={size}: the tasks shard their networks over data-parallel "
+            "ranks only "
             "(FSDP2, no tensor parallelism); expected 1, with trainer.strategy.data_parallel_size=<devices x nodes>"
         )
 
@@ -435,7 +439,10 @@ def _skipped_at_the_end(scaler: GradientScaler) -> str:
     layer = next((layer for layer in scaler.layers() if layer.name == scaler.first_non_finite), None)
     if layer is None:
         return text
-    text += f" On the last update the first non-finite gradient, in backward order, was at {layer.name} (log2 total {layer.log2_total})"
+    text += (
+        " On the last update the first non-finite gradient, in backward order, was at "
+        f"{layer.name} (log2 total {layer.log2_total})"
+    )
     if layer.log2_total > 0:
         return text + "; the scales of the table are that update's."
     return text + (
@@ -510,7 +517,8 @@ def _say_where_the_data_comes_from(datamodule: L.LightningDataModule, cfg: DictC
     log.warning(
         f"warning: data.root={root} holds generated data ({marker.name} records "
         f"{', '.join(f'{k}={v}' for k, v in settings.items() if k != 'complete')}), not the real {name}: {recipe} "
-        f"(trainer.max_steps={cfg.trainer.max_steps}) trains on the generated set; give data.root=/path/to/{name} for results that mean anything"
+        f"(trainer.max_steps={cfg.trainer.max_steps}) trains on the generated set; "
+        f"give data.root=/path/to/{name} for results that mean anything"
     )
 
 
@@ -522,7 +530,10 @@ def _say_how_fp16_runs(trainer: L.Trainer) -> None:
     device = trainer.strategy.root_device.type
     setting = plugin.emulate
     if plugin.settle_emulation(device):
-        how = f"emulated on the {device.upper()} (GEMMs and convolutions computed in fp32 and rounded to fp16: fp16's rounding at fp32 speed)"
+        how = (
+            f"emulated on the {device.upper()} (GEMMs and convolutions computed in fp32 and rounded to fp16: "
+            "fp16's rounding at fp32 speed)"
+        )
     else:
         how = f"the {device.upper()}'s own fp16 kernels"
     log.info(f"fp16: {how}; precision.emulate={str(setting).lower()}")
@@ -645,7 +656,8 @@ def _check_same_model(path: Path, checkpoint: dict[str, Any], task: L.LightningM
     if names != (None, None):
         what = f"holds {names[0]}, which this model lacks" if names[0] else f"lacks {names[1]}"
         raise AppError(
-            f"ckpt_path={path} {origin}does not fit {here}: it {what}; resume with the recipe and overrides it was trained with"
+            f"ckpt_path={path} {origin}does not fit {here}: it {what}; "
+            "resume with the recipe and overrides it was trained with"
         )
 
 
@@ -778,7 +790,8 @@ GENERATED_DATA = {
     "CamVidDataModule": "data.root='${paths.cache_dir}/camvid_try' "
     "'++data.synthetic={n_train: 24, n_val: 4, n_test: 4, size: [96, 128]}'",
     "ImageNetDataModule": "data.root='${paths.cache_dir}/imagenet_try' "
-    "'++data.synthetic={num_classes: 10, n_train_per_class: 8, n_val_per_class: 2, size: [64, 64]}' task.num_classes=10",
+    "'++data.synthetic={num_classes: 10, n_train_per_class: 8, n_val_per_class: 2, size: [64, 64]}' "
+    "task.num_classes=10",
     "VOCDataModule": "data.root='${paths.cache_dir}/voc_try' '++data.synthetic={n_trainval: 16, n_test: 8}'",
 }
 

@@ -159,7 +159,8 @@ def test_emulated_fp8_gradients_from_the_command_line(precision: str) -> None:
     ("precision", "plugin_name"), [("gs", "FSDPGradientScalingPlugin"), ("dynamic", "FSDPDynamicLossScalingPlugin")]
 )
 def test_trainer_fsdp_builds_the_precision_plugin_on_fsdp_precision(precision: str, plugin_name: str) -> None:
-    """Lightning's FSDPStrategy takes only an FSDPPrecision: trainer=fsdp gets the same method built on it, options kept."""
+    """Lightning's FSDPStrategy takes only an FSDPPrecision: trainer=fsdp gets the same method built on it,
+    options kept."""
     cfg = _compose(["trainer=fsdp", f"precision={precision}"])
     (plugin,) = precision_arguments(cfg.precision, cfg.trainer.strategy)["plugins"]
     assert type(plugin).__name__ == plugin_name and plugin.emulate == "auto"
@@ -241,8 +242,8 @@ def test_a_run_that_ends_skipping_steps_says_where_and_that_no_scale_caused_it(i
     text = " ".join(summary(trainer, {}).split())
     assert "The run ended with 3 steps skipped in a row" in text
     assert (
-        f"the first non-finite gradient, in backward order, was at {scaler.first_non_finite} (log2 total 0), before any scale"
-        in text
+        f"the first non-finite gradient, in backward order, was at {scaler.first_non_finite} "
+        "(log2 total 0), before any scale" in text
     )
 
     torch.manual_seed(0)
@@ -404,7 +405,9 @@ def test_where_the_data_comes_from_and_a_real_recipe_on_generated_data(
         "generated": (
             ["recipe=segnet", f"data.root={generated}"],
             "WARNING",
-            f"warning: data.root={generated} holds generated data (.synthetic.json records n_train=2, n_val=1, n_test=1, size=[12, 16], seed=0), not the real CamVid: this recipe (trainer.max_steps=16000) trains on the generated set",
+            f"warning: data.root={generated} holds generated data (.synthetic.json records n_train=2, n_val=1, "
+            "n_test=1, size=[12, 16], seed=0), not the real CamVid: this recipe (trainer.max_steps=16000) "
+            "trains on the generated set",
         ),
     }
     for name, (overrides, level, expected) in cases.items():
@@ -497,7 +500,8 @@ def test_a_mistyped_key_exits_as_hydra_does_and_names_the_nearest_valid_one(tmp_
     result = _train(["trainer.max_epoch=3"], tmp_path, timeout=120)
     assert result.returncode == 1 and "Could not override 'trainer.max_epoch'" in result.stderr
     assert result.stderr.rstrip().endswith(
-        "Did you mean trainer.max_epochs=3 or trainer.max_steps=3? (trainer has no key 'max_epoch'; a leading + would add one that nothing reads)"
+        "Did you mean trainer.max_epochs=3 or trainer.max_steps=3? (trainer has no key 'max_epoch'; "
+        "a leading + would add one that nothing reads)"
     )
     assert not (tmp_path / "run").exists()
 
@@ -733,7 +737,8 @@ def test_checkpoint_errors_are_one_line_and_change_nothing(tmp_path: Path) -> No
         ),
         "another precision": (
             [f"ckpt_path={good}", "precision=dynamic"],
-            "holds the scaler state of GradientScalingPlugin but this run's precision plugin is DynamicLossScalingPlugin",
+            "holds the scaler state of GradientScalingPlugin "
+            "but this run's precision plugin is DynamicLossScalingPlugin",
         ),
     }
     for name, (overrides, expected) in cases.items():

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 from collections.abc import Callable, Mapping, Sized
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 
@@ -122,6 +124,7 @@ class ImageDataModule(L.LightningDataModule):
             generator=sampler.generator if sampler is not None else None,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
+            worker_init_fn=_worker_init if self.num_workers > 0 else None,
             pin_memory=torch.cuda.is_available(),
             # Training workers start afresh each epoch, seeded from (seed, epoch); evaluation has no randomness.
             persistent_workers=self.num_workers > 0 and not train,
@@ -138,3 +141,17 @@ class ImageDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """Test batches in file order."""
         return self._loader("test")
+
+
+def _worker_init(worker_id: int) -> None:
+    """A DataLoader worker leaves SIGTERM to the main process, and is seeded as Lightning seeds workers.
+
+    SLURM and ``timeout`` send SIGTERM to every process of the job; a worker it ended (torch's
+    workers exit on a SIGTERM that is not their parent's) would end the run with a traceback before
+    Lightning, in the main process, finishes the batch and saves the run. The main process still
+    ends its workers. Lightning adds its own ``worker_init_fn`` only where there is none, so this one
+    calls it (``seed_everything(workers=True)``, as the app runs, sets ``PL_SEED_WORKERS``).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        pl_worker_init_function(worker_id)

@@ -847,7 +847,8 @@ PAGES = (
 def headline(runs: list[Recorded]) -> list[str]:
     """The README's one table: the main numbers of each results page, with the page they come from."""
     rows: list[tuple[str, str, str]] = []
-    for run in runs:
+    # the training tables last, the paper's experiments first (stable: the other runs keep their order)
+    for run in sorted(runs, key=lambda r: _task_order(r) if r.script == "compare_training.py" else -1):
         if run.script == "compare_training.py":
             aggregated = aggregate(run.data, _training_methods(run.script))
             for task, grads in dict.fromkeys((r["task"], r["gradients"]) for r in aggregated):

@@ -4,6 +4,7 @@ synchronisation."""
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Iterable, Mapping
 
 import torch
 
@@ -55,18 +56,39 @@ def memory_order(t: torch.Tensor) -> torch.Tensor:
 FiniteFlags = list[tuple[str, tuple[torch.Tensor, ...]]]  # (layer, values all finite iff its gradient is)
 
 
-def first_non_finite(flags: FiniteFlags, values: list[float]) -> str | None:
-    """The first layer of ``flags`` (in backward order) whose values, as read (``values``, in order), are not all
-    finite."""
-    position = 0
-    for name, flag in flags:
-        if not all(map(math.isfinite, values[position : position + len(flag)])):
-            return name
-        position += len(flag)
-    return None
+def first_non_finite(flags: FiniteFlags, values: Mapping[Hashable, list[float]], prefix: tuple) -> str | None:
+    """The first layer of ``flags`` (in backward order) whose values, as read under ``(*prefix, k)`` for the k-th
+    layer (:meth:`DeviceRead.put`), are not all finite."""
+    return next((name for k, (name, _) in enumerate(flags) if not all(map(math.isfinite, values[(*prefix, k)]))), None)
 
 
-def read(tensors: list[torch.Tensor]) -> list[float]:
-    """The values of 0-dim ``tensors`` (any devices, any dtypes), in one synchronisation; fp64 keeps integer counts
-    exact."""
-    return torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist() if tensors else []
+class DeviceRead:
+    """Tensors left on the device by several producers, read in one synchronisation and handed back by key.
+
+    Each producer puts its 0-dim or 1-D tensors under a key of its own and takes their values back by
+    the same key: a producer added, removed or reordered cannot shift another's values. The step's
+    read is one of these (:mod:`~gs_lightning.scaling.step_read`); so is an update's, where something
+    asks for its layers before the step.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[Hashable, list[torch.Tensor]] = {}
+
+    def put(self, key: Hashable, tensors: Iterable[torch.Tensor]) -> None:
+        """Read ``tensors`` (any devices and dtypes, flattened in order) under ``key``, which is new to this read."""
+        if key in self._parts:
+            raise KeyError(f"DeviceRead: {key!r} was put twice in one read")
+        self._parts[key] = list(tensors)
+
+    def read(self) -> dict[Hashable, list[float]]:
+        """Every key's values, in one synchronisation; float64 keeps integer counts exact.
+
+        Synchronises with the device (one ``tolist``), once, where anything was put.
+        """
+        flat = [t.reshape(-1) for tensors in self._parts.values() for t in tensors]
+        values = torch.cat([t.to(flat[0].device, torch.float64) for t in flat]).tolist() if flat else []  # the one sync
+        by_key, position = {}, 0
+        for key, tensors in self._parts.items():
+            size = sum(t.numel() for t in tensors)
+            by_key[key], position = values[position : position + size], position + size
+        return by_key

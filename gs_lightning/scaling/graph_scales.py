@@ -10,14 +10,14 @@ multi-model and gradient-penalty loops).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
-from gs_lightning.scaling.gradient_stats import FiniteFlags, first_non_finite, read
+from gs_lightning.scaling.gradient_stats import DeviceRead, FiniteFlags, first_non_finite
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
 from gs_lightning.scaling.schedule import UpdateReason, UpdateSchedule
@@ -101,20 +101,24 @@ class GraphScales:
         plan.settle = self._read_update
         self._runs.append((run, plan, path, after_read))
 
-    def unread(self) -> list[torch.Tensor]:
-        """What the last update left on the device: its scales and decisions, its finiteness flags, its underflow
-        counts."""
-        scales = self._unread_scales()
+    def put_unread(self, read: DeviceRead) -> None:
+        """Put what the last update left on the device into ``read``, under this structure's keys: its scales and
+        decisions, its finiteness flags, its underflow counts (:meth:`take_reading` takes them back)."""
+        read.put((self, "scales"), self._unread_scales())
         if self._unread is None:
-            return scales
+            return
         flags, rates = self._unread
-        return scales + [v for _, flag in flags for v in flag] + [t for r in rates for t in r.tensors()]
+        for k, (_, flag) in enumerate(flags):
+            read.put((self, "finite", k), flag)
+        for k, r in enumerate(rates):
+            read.put((self, "rates", k), r.tensors())
 
-    def take_reading(self, values: list[float]) -> None:
-        """:meth:`unread` as read (in order): the scales and decisions, the first non-finite layer, the layers'
-        underflow rates."""
-        scales = self._unread_scales()
-        known = dict(zip(scales, values))
+    def take_reading(self, values: Mapping[Hashable, list[float]]) -> None:
+        """:meth:`put_unread`'s tensors as read (``values``, by key): the scales and decisions, the first
+        non-finite layer, the layers' underflow rates."""
+        if not self._runs and self._unread is None:
+            return  # nothing was left on the device
+        known = dict(zip(self._unread_scales(), values[self, "scales"]))
         runs, self._runs = self._runs, []
         for run, plan, path, _ in runs:
             run.read_in(known)
@@ -127,15 +131,10 @@ class GraphScales:
         if self._unread is None:
             return
         (flags, rates), layers = self._unread, self._updated
-        flagged = sum(len(flag) for _, flag in flags)
-        self._first_non_finite = first_non_finite(flags, values[len(scales) : len(scales) + flagged])
-        counts = iter(values[len(scales) + flagged :])
-        for r in rates:
-            if r.index in self._undecided:
-                for _ in r.tensors():
-                    next(counts)
-            else:
-                layers[r.index] = r.applied_to(layers[r.index], counts)
+        self._first_non_finite = first_non_finite(flags, values, (self, "finite"))
+        for k, r in enumerate(rates):
+            if r.index not in self._undecided:
+                layers[r.index] = r.applied_to(layers[r.index], iter(values[self, "rates", k]))
         self.layers = {layer.name: layer for layer in layers}
 
     def _measure_weights(self, path: Path, decisions: NodeDecisions) -> None:
@@ -151,8 +150,11 @@ class GraphScales:
         return list({id(t): t for run, _, _, _ in self._runs for t in run.unread()}.values())
 
     def _read_update(self) -> None:
+        """Read what the last update left on the device, where the step has not (one synchronisation)."""
         if self._unread is not None or self._runs:
-            self.take_reading(read(self.unread()))
+            read = DeviceRead()
+            self.put_unread(read)
+            self.take_reading(read.read())
 
     def matches(self, graph: AutogradGraph) -> bool:
         """Whether ``graph`` has this structure."""

@@ -19,6 +19,7 @@ import torch
 from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.drift import largest_magnitudes, within_margin
 from gs_lightning.scaling.finite import unscale_and_check_
+from gs_lightning.scaling.gradient_stats import DeviceRead
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
@@ -55,7 +56,8 @@ class StepRead:
             self._unread.append(graph)
 
     def discard(self) -> None:
-        """The iteration ended: drop what was queued and not read (a step skipped before any read), and what was kept."""
+        """The iteration ended: drop what was queued and not read (a step skipped before any read), and what was
+        kept."""
         for graph in self._unread:
             graph.drift.discard()
         self._unread = []
@@ -79,42 +81,32 @@ class StepRead:
         """The read :meth:`non_finite` describes."""
         unread = self._unread
         pending = [graph.drift.pending() for graph in unread]
+        # A sharded gradient (FSDP2's DTensor): this rank's shard, the flag reduced across ranks below.
+        local = [_local(g) for g in grads]
+        # The queued weight gradients first, each tensor once.
         queued = [t for tensors in pending for t in tensors]
-        local = [
-            _local(g) for g in grads
-        ]  # a sharded gradient (FSDP2's DTensor): this rank's shard, flag reduced below
-        dense = list(
-            {id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values()
-        )  # queued first
-        readings = [largest_magnitudes(dense)] if dense else []
-        readings += unscale_and_check_(
-            g for g in local if g.is_sparse
-        )  # their values, coalesced where fp16 duplicates may overflow
-        left = [
-            graph.unread() for graph in unread
-        ]  # what the updates left on the device: read here, not in their backwards
-        updates = [t for tensors in left for t in tensors]
-        checked = sum(r.numel() for r in readings)
-        if updates:
-            readings.append(torch.stack([t.to(updates[0].device, torch.float64) for t in updates]))
-        values = torch.cat([r.to(readings[0].device) for r in readings]).tolist() if readings else []  # one sync
-        values, updates_read = values[:checked], values[checked:]
+        dense = list({id(t): t for t in (*queued, *local) if t.is_floating_point() and not t.is_sparse}.values())
+        read = DeviceRead()
+        read.put("largest magnitudes", [largest_magnitudes(dense)] if dense else [])
+        # Sparse gradients' values, coalesced where fp16 duplicates may overflow.
+        read.put("sparse flags", unscale_and_check_(g for g in local if g.is_sparse))
+        for graph in unread:  # what the updates left on the device: read here, not in their backwards
+            graph.put_unread(read)
+        values = read.read()  # one sync
         index = {id(t): k for k, t in enumerate(dense)}
-        maxima = [values[index[id(t)]] for t in local if id(t) in index]
-        non_finite = not all(map(math.isfinite, maxima)) or any(values[len(dense) :])
+        largest = values["largest magnitudes"]
+        maxima = [largest[index[id(t)]] for t in local if id(t) in index]
+        non_finite = not all(map(math.isfinite, maxima)) or any(values["sparse flags"])
         if sharded or any(g is not t for g, t in zip(grads, local)):
-            non_finite = _any_rank(
-                non_finite, (dense or local or [torch.zeros(())])[0].device
-            )  # every rank joins, gradients or not
+            # Every rank joins, gradients or not.
+            non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)
         if not unread:
             return non_finite
         self._unread = []
-        for graph, tensors in zip(unread, left):
-            if tensors:
-                graph.take_reading(updates_read[: len(tensors)])
-                updates_read = updates_read[len(tensors) :]
+        for graph in unread:
+            graph.take_reading(values)
         for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
-            graph.drift.read([values[index[id(t)]] for t in tensors])
+            graph.drift.read([largest[index[id(t)]] for t in tensors])
         recomputed = self.recompute_graph in unread and self._recompute_overflows(self.recompute_graph)
         # No later read recomputes: what the replay kept (GEMM inputs and incoming gradients) goes now,
         # before the optimizer steps, not at update().

@@ -19,6 +19,7 @@ from torch import nn
 from gs_lightning import GradientScaler, ScalingRecipe
 from gs_lightning.scaling.decide import LayerScale, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift
+from gs_lightning.scaling.gradient_stats import DeviceRead
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.plan import ScalePlan
 
@@ -191,5 +192,7 @@ def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> 
     )
     run = SimpleNamespace(decisions=decisions, unread=list, read_in=lambda values: None)  # its scales already read
     scales.keep_update(run, ScalePlan((), (), {}, {}))
-    scales.take_reading([1.0, 4.0])
+    read = DeviceRead()
+    scales.put_unread(read)
+    scales.take_reading(read.read())
     assert scales.layers["b"].underflow_rate == 0.25 and math.isnan(scales.layers["a"].underflow_rate)

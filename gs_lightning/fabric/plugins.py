@@ -193,7 +193,8 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         return self.scaler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scaler's state (``fabric.load``); the model must be set up first."""
+        """Restore the scaler's state and settings (GS: its recipe, as ``GradScaler`` restores its own) from
+        ``fabric.load``; the model must be set up first."""
         self.scaler.load_state_dict(state_dict)
 
 

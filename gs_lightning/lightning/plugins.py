@@ -155,7 +155,8 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
         return self._scaler.state_dict() if self._scaler is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scaler's state; the Trainer calls this after connecting the plugin."""
+        """Restore the scaler's state and settings (GS: its recipe, as ``GradScaler`` restores its own), warning
+        once where they differ from the constructor's; the Trainer calls this after connecting the plugin."""
         self.scaler.load_state_dict(state_dict)
 
 

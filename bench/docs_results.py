@@ -426,24 +426,27 @@ def training_section(run: Recorded) -> list[str]:
         ]
         seeds = sorted({row["seeds"] for row in rows})
         title = TASK_TITLES.get(task, task)
+        later = [f"{row['gradients']} {row['method']}" for row in rows if row["method key"] in added]
         lines += [
             f"### {title}",
             "",
             f"![{title}: skipped steps, GEMM-gradient underflow and seconds per run of each method]"
             f"({figure_path(run, task).relative_to(DOCS).as_posix()})",
             "",
-            f"`{task}`, {', '.join(map(str, sorted(steps)))} steps, {' or '.join(map(str, seeds))} seeds per method; "
-            "every number is the mean over the seeds, the metric and the final train loss (over the last tenth "
-            "of the steps) mean ± std.",
+            "Per method: steps skipped for an overflowed gradient, GEMM-gradient underflow on a log axis (the tick: "
+            "the per-tensor oracle's) and seconds per run"
+            + (", hatched where a later command measured them" if later else "")
+            + f". `{task}`, {', '.join(map(str, sorted(steps)))} steps, {' or '.join(map(str, seeds))} seeds per "
+            "method; every number is the mean over the seeds, the metric and the final train loss (over the last "
+            "tenth of the steps) mean ± std.",
             "",
             *markdown_table(rows, list(SEPARATING)),
         ]
-        if added & {row["method key"] for row in rows}:
+        if later:
             lines += [
-                "The rows the later command added ("
-                + ", ".join(f"{row['gradients']} {row['method']}" for row in rows if row["method key"] in added)
-                + ") took their seconds on the machine as it was then (see above): their *s / run* compare "
-                "with the other rows' only as far as both machines were alike; the hatched bars in the plot.",
+                f"The rows of {', '.join(later)} were added by the later command above: their *s / run* were "
+                "measured on the machine as it was then, and compare with the other rows' only as far as the two "
+                "machines' loads were alike.",
                 "",
             ]
         lines += markdown_table(rows, outcome)
@@ -521,7 +524,7 @@ def training_figures(run: Recorded) -> list[Path]:
             if oracle:
                 underflow.plot([oracle], [i], marker="|", color="black", markersize=7, linestyle="none")
         underflow.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$10^{{{math.log10(100 * v):.0f}}}$%"))
-        underflow.set_title("GEMM-gradient underflow (log axis)", fontsize=8)
+        underflow.set_title("GEMM-gradient underflow (log; |: oracle)", fontsize=8)
 
         seconds.barh(
             [i for i, _ in bars],
@@ -547,15 +550,7 @@ def training_figures(run: Recorded) -> list[Path]:
                 tick.set_color(SETTING_COLOURS.get(row["gradients"], "#444444"))
                 tick.set_fontweight("bold")
         skipped.set_ylim(len(lines) - 0.4, -0.6)
-        fig.suptitle(
-            f"{TASK_TITLES.get(task, task)}, mean over the seeds; |: the per-tensor oracle's underflow"
-            + (
-                "; hatched: measured later (see the provenance)"
-                if added & {row["method key"] for _, row in bars}
-                else ""
-            ),
-            fontsize=8,
-        )
+        fig.suptitle(f"{TASK_TITLES.get(task, task)}, mean over the seeds", fontsize=8)
         fig.tight_layout()
         path = figure_path(run, task)
         path.parent.mkdir(parents=True, exist_ok=True)

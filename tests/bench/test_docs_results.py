@@ -100,7 +100,7 @@ def test_the_training_section_leads_with_a_figure_and_narrow_tables(docs_results
     methods = [line.split(" | ")[1] for line in lines if line.startswith("| fp")][:4]
     assert methods == ["fp32 (reference)", "dynamic loss scale", "**GS**", f"**{docs_results._paper_label()}**"]
     assert "| 0% |" in text and "2·10⁻⁷%" in text
-    assert "took their seconds on the machine as it was then" in text
+    assert "were added by the later command above" in text
 
     answer = "\n".join(docs_results.training_answer([run]))
     assert "| ResNet-8 | fp16 | 0.5\u00a0·\u00a00% | 0.5\u00a0·\u00a02·10⁻⁷% | 0.5\u00a0·\u00a02·10⁻⁷% |" in answer

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from gs_lightning.scaling.graph import LEAF, AutogradGraph
+from gs_lightning.scaling.graph import AutogradGraph
+from gs_lightning.scaling.walks import leaf_variables
 
 # A parameter in one of these formats cannot hold its gradient unscaled without underflow.
 _UNSCALABLE_PARAMETER_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
@@ -92,9 +93,8 @@ class AttachedModels:
 
     def check_parameters(self, graph: AutogradGraph, exits: frozenset[int]) -> None:
         """Refuse a graph whose parameters are in a format their unscaled gradients underflow in."""
-        for j, name in enumerate(graph.names):
-            variable = graph.nodes[j].variable if name == LEAF and j not in exits else None
-            if variable is not None and variable.dtype in _UNSCALABLE_PARAMETER_DTYPES:
+        for j, variable in leaf_variables(graph):
+            if j not in exits and variable is not None and variable.dtype in _UNSCALABLE_PARAMETER_DTYPES:
                 name = self.parameter_names.get(id(variable), f"of shape {tuple(variable.shape)}")
                 raise ValueError(
                     f"GradientScaler: parameter {name} is {variable.dtype}; its gradient cannot be unscaled in "

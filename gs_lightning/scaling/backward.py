@@ -25,7 +25,7 @@ from gs_lightning.scaling.checkpointing import intercept_recomputation
 from gs_lightning.scaling.compiled import CompiledModules, CompiledReplay
 from gs_lightning.scaling.drift import GradientDrift, unscale_and_measure
 from gs_lightning.scaling.formats import FloatFormat
-from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.profiled import profiled
@@ -33,6 +33,7 @@ from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
+from gs_lightning.scaling.walks import leaf_variables
 from gs_lightning.scaling.weak import weakly
 
 
@@ -230,9 +231,7 @@ class ScaledBackwards:
             scales, update, reasons = parent.scales, parent.run is not None, frozenset()
         plan, analysis = scales.plans.get(path), scales.analyses.get(path)
         known = plan is not None and plan.matches(graph)
-        exit_leaves = frozenset(
-            j for j, name in enumerate(graph.names) if name == LEAF and id(graph.nodes[j].variable) in exits
-        )
+        exit_leaves = frozenset(j for j, variable in leaf_variables(graph) if id(variable) in exits)
         if analysis is None or not known:
             analysis = scales.analyses[path] = analyze(graph, self.attached.module_names, exit_leaves)
             self.attached.check_parameters(graph, exit_leaves)

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gs_lightning.scaling.drift import parameter_leaves
 from gs_lightning.scaling.gains import bounded_gains, gains_after, kept_downstream, node_gains
-from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot, decision_nodes
 from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, bound_position, candidates, rule_position
 from gs_lightning.scaling.plan import Exponent, LeafTargets
 from gs_lightning.scaling.recipe import ScalingRecipe
@@ -29,6 +28,7 @@ from gs_lightning.scaling.underflow import (
     highest_below,
     sufficient_log2_scale,
 )
+from gs_lightning.scaling.walks import fed_leaves, parameter_leaves
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,6 @@ def expected_total(expected: float, lambda_max: float, margin_log2: float) -> in
     return (
         math.ceil(math.log2(lambda_max / (expected * 2.0**margin_log2))) - 1
     )  # host values, read by the step (expected > 0)
-
-
-def decision_nodes(analysis: GraphAnalysis) -> set[int]:
-    """The nodes an update decides a scale at, or merges incoming scales at."""
-    a = analysis
-    return a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
 
 
 class ScaleBounds:
@@ -156,32 +150,9 @@ class ScaleBounds:
         (a normalisation's weight and bias): computed at the scale ``i`` chose, and not recomputed."""
         fed = self.analysis.derive("fed leaves", dict)  # GEMM -> the leaves it feeds, found on first use
         if i not in fed:
-            fed[i] = self._find_fed_leaves(
-                i, self.analysis.derive("decision nodes", lambda: decision_nodes(self.analysis))
-            )
+            decides = self.analysis.derive("decision nodes", lambda: decision_nodes(self.analysis))
+            fed[i] = fed_leaves(self.graph.edges, self.analysis, i, decides)
         return fed[i]
-
-    def _find_fed_leaves(self, i: int, decides: set[int]) -> set[int]:
-        a, found = self.analysis, set()
-        # a branch's sum is brought to a common scale: the scale i chose ends there too
-        frontier = [
-            e[0]
-            for k, e in enumerate(self.graph.edges[i])
-            if e is not None and k not in a.weight_edges[i] and e not in a.branch_slots
-        ]
-        seen = set(frontier)
-        while frontier:
-            n = frontier.pop()
-            if n in a.leaves:
-                found.add(n)
-                continue
-            if n in decides:
-                continue
-            for edge in self.graph.edges[n]:
-                if edge is not None and edge[0] not in seen and edge not in a.branch_slots:
-                    seen.add(edge[0])
-                    frontier.append(edge[0])
-        return found
 
     def expected_total(self, i: int) -> int:
         """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>` bounds it)."""

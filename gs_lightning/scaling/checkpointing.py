@@ -5,7 +5,9 @@ second backward, ``torch.autograd.backward(outputs, grads)``, over the block's f
 graph the scaler's walk of the loss never saw, which accumulates straight into the parameters'
 ``.grad``. A pre-hook on the checkpoint node wraps ``run_function`` so that, once the block is
 recomputed, its outputs meet in one node (:class:`~gs_lightning.scaling.join.JoinOutputs`, the inner graph's root)
-and the scaler prepares that graph as it prepares a loss's, before the inner backward starts.
+and the scaler prepares that graph as it prepares a loss's, before the inner backward starts. The
+registry (:mod:`~gs_lightning.scaling.operators`) knows the node as a reentrant checkpoint: a decision
+node of the outer graph, whose inner graph is scaled on its own.
 """
 
 from __future__ import annotations

@@ -36,18 +36,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, walk_from
+from gs_lightning.scaling.graph import LEAF, AutogradGraph, GraphAnalysis, analyze, decision_nodes, walk_from
+from gs_lightning.scaling.operators import Role, node_types, operator
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, _post_hook, _pre_hook
-
-COMPILED_NODE = "CompiledFunctionBackward"
-_TRACE_LEAVES = (LEAF, "Error")  # AOTAutograd's traced inputs show as Error nodes where eager has AccumulateGrad
-# Operators AOTAutograd's trace records under another autograd node than eager (functionalized variants;
-# dropout, which eager runs on the CPU as a multiply by a mask that needs no gradient).
-_EAGER_NAME = {
-    "NativeBatchNormLegitBackward0": "NativeBatchNormBackward0",
-    "NativeBatchNormLegitBackward1": "NativeBatchNormBackward0",  # without running statistics (InstanceNorm)
-    "NativeDropoutBackward0": "MulBackward0",
-}
+from gs_lightning.scaling.walks import leaf_variables
 
 # (kind, node, index): "pre" multiplies the gradient arriving in slot ``index`` of ``node``;
 # "post" the one ``node`` sends on its edge ``index``.
@@ -75,6 +67,25 @@ def _input_edges(inputs: list[torch.Tensor]) -> dict[tuple[Node, int], int]:
 
 def _region_roots(outputs: list[torch.Tensor]) -> list[Node]:
     return [t.grad_fn for t in outputs if t.grad_fn is not None]
+
+
+def _traced_leaf(node: Node) -> bool:
+    """Where a walk of a traced region stops: a parameter, or a region input (the registry's
+    :attr:`~gs_lightning.scaling.operators.Role.TRACED_INPUT`, where eager has ``AccumulateGrad``)."""
+    return type(node).__name__ in node_types(Role.LEAF, Role.TRACED_INPUT)
+
+
+def _compiled_region(name: str) -> bool:
+    """Whether a node of the loss's graph is a compiled region
+    (:attr:`~gs_lightning.scaling.operators.Role.COMPILED_REGION`)."""
+    return name.startswith(tuple(node_types(Role.COMPILED_REGION)))
+
+
+def _eager_name(name: str) -> str:
+    """The type eager autograd records for the operator AOTAutograd's trace records as ``name``
+    (:attr:`~gs_lightning.scaling.operators.Operator.eager_name`): ``name`` itself but for a traced variant."""
+    op = operator(name)
+    return name if op is None or op.eager_name is None else op.eager_name
 
 
 def _times(grad: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor | None:
@@ -108,7 +119,7 @@ class ScaledGraph:
         roots = _region_roots(_flat_tensors(outputs))
         if not roots or not torch.is_grad_enabled():
             return outputs
-        graph = walk_from(roots, lambda node: type(node).__name__ in _TRACE_LEAVES)
+        graph = walk_from(roots, _traced_leaf)
         if _as_eager(graph.names, graph.edges) != _as_eager(self.names, self.edges):
             self.traced = False
             return outputs
@@ -125,7 +136,7 @@ class ScaledGraph:
 
 
 def _as_eager(names: list[str], edges: list) -> tuple[list[str], list]:
-    """A region's structure as eager would record it: names as in :data:`_EAGER_NAME`, no trailing edges without
+    """A region's structure as eager would record it: names as :func:`_eager_name` has them, no trailing edges without
     gradient."""
     trimmed = []
     for out in edges:
@@ -133,7 +144,7 @@ def _as_eager(names: list[str], edges: list) -> tuple[list[str], list]:
         while out and out[-1] is None:
             out.pop()
         trimmed.append(out)
-    return [_EAGER_NAME.get(name, name) for name in names], trimmed
+    return [_eager_name(name) for name in names], trimmed
 
 
 def _traced_multiplies(places: list[tuple[int, int]], scales: torch.Tensor) -> Callable[[tuple], tuple]:
@@ -159,7 +170,7 @@ def _scale_points(
     branch there), and a parameter fed by several edges is unscaled edge by edge. A parameter fed
     by one edge is unscaled after the backward, outside the graph.
     """
-    decides = analysis.gemms.keys() | analysis.fused.keys() | analysis.casts | analysis.merge_nodes | analysis.opaque
+    decides = decision_nodes(analysis)
     points: list[ScalePoint] = []
     for i, edges in enumerate(graph.edges):
         if graph.names[i] == LEAF:
@@ -221,17 +232,13 @@ class ScalingBackend:
         roots = _region_roots(_flat_tensors(outputs))
         if not roots:
             return None
-        graph = walk_from(roots, lambda node: type(node).__name__ in _TRACE_LEAVES)
+        graph = walk_from(roots, _traced_leaf)
         parameters = {
             id(inputs[p])
             for p, node in enumerate(placeholders)
             if isinstance(getattr(node.meta.get("grapharg"), "example", None), nn.Parameter)
         }
-        parameter_leaves = {
-            j
-            for j, node in enumerate(graph.nodes)
-            if graph.names[j] == LEAF and id(getattr(node, "variable", None)) in parameters
-        }
+        parameter_leaves = {j for j, variable in leaf_variables(graph) if id(variable) in parameters}
         points = _scale_points(graph, analyze(graph, {}), len(dict.fromkeys(roots)), parameter_leaves)
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         return ScaledGraph(graph.names, graph.edges, points, device)
@@ -510,7 +517,7 @@ class CompiledModule:
         if not region.nodes or None in nodes:
             self.run_eagerly("its outputs do not reach the loss through autograd")
             return
-        leaves = {id(graph.nodes[j].variable): j for j, name in enumerate(graph.names) if name == LEAF}
+        leaves = {id(variable): j for j, variable in leaf_variables(graph)}
         edges = {a: edge for edge, a in _input_edges(inputs).items()}
         self.region = _Region(
             region.names,
@@ -679,7 +686,7 @@ def replay_hooks(
     while queue:
         i = queue.pop()
         e = counterpart[i]
-        if graph.names[i].startswith(COMPILED_NODE):
+        if _compiled_region(graph.names[i]):
             module = next(
                 (m for m in modules if m.region is not None and e in m.region.inside and m.compiled_inputs is not None),
                 None,
@@ -699,7 +706,7 @@ def replay_hooks(
             if edge is None:
                 continue
             (j, s), (f, t) = edge, other
-            compiled_target = graph.names[j].startswith(COMPILED_NODE)
+            compiled_target = _compiled_region(graph.names[j])
             if not compiled_target and s != t:
                 return None
             if j in counterpart:

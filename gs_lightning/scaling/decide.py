@@ -24,8 +24,9 @@ import torch
 from gs_lightning.scaling.bounds import ScaleBounds, Settings
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.gradient_stats import Extremes, FiniteFlags, all_finite, extremes, magnitude, rms
-from gs_lightning.scaling.graph import GEMM_OPERANDS, RNN_NODES, WEIGHT_GRAD_BOUNDS, AutogradGraph, GraphAnalysis
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, describe, parse
+from gs_lightning.scaling.operators import Role, operator
 from gs_lightning.scaling.plan import Exponent, exponent_vector, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
 from gs_lightning.scaling.underflow import (
@@ -257,14 +258,13 @@ class NodeDecisions:
 
         The first layer sends no activation gradient on: its weight gradients alone decide its scale.
         """
-        s, name = self.settings, self.graph.names[i]
-        operand_of = GEMM_OPERANDS[name]
-        operands = [(k, operand_of[k](self.graph, i, grad)) for k in self.analysis.gemms[i]]
+        s, op = self.settings, operator(self.graph.names[i])
+        operands = [(k, op.operands[k](self.graph, i, grad)) for k in self.analysis.gemms[i]]
         operands = [(k, op) for k, op in operands if op.operand is not None]
         node = self.graph.nodes[i]
         weight_bounds = (
-            WEIGHT_GRAD_BOUNDS[name](node, grad, self.analysis.weight_edges[i])
-            if name in WEIGHT_GRAD_BOUNDS and s.recipe.weight_grad_bounds
+            op.weight_bound(node, grad, self.analysis.weight_edges[i])
+            if op.weight_bound is not None and s.recipe.weight_grad_bounds
             else {}
         )
         if (
@@ -406,8 +406,8 @@ class NodeDecisions:
         self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent, grads: list[torch.Tensor]
     ) -> Exponent:
         """Fused attention or RNN: exact fp32 probes of what it sends on (none under checkpointing)."""
-        node, name = self.graph.nodes[i], self.graph.names[i]
-        if name in RNN_NODES:
+        node = self.graph.nodes[i]
+        if operator(self.graph.names[i]).role is Role.RNN:
             kind, samples = (
                 "rnn",
                 [rnn_probe(node, grads, k, self.settings.recipe.probe_elements) for k in self.analysis.fused[i]],

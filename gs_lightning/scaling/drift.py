@@ -43,7 +43,7 @@ import math
 import statistics
 from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
@@ -51,8 +51,9 @@ from typing import Any
 import torch
 
 from gs_lightning.scaling.finite import unscale_
-from gs_lightning.scaling.graph import GraphAnalysis, Slot, weight_path
+from gs_lightning.scaling.graph import GraphAnalysis, Slot
 from gs_lightning.scaling.plan import Exponent, ScalePlan
+from gs_lightning.scaling.walks import parameter_leaves
 
 Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, node by node
 
@@ -534,12 +535,6 @@ def overflow_leaves(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterab
     non_finite = [j for j in non_finite if j in analysis.leaf_sources]
     origins = overflow_origins(analysis, plan, non_finite)
     return {j for j in non_finite if _consumer(plan, analysis, j) in origins}
-
-
-def parameter_leaves(names: Sequence[str], edges: Edges, analysis: GraphAnalysis, i: int) -> list[int]:
-    """The leaves whose gradients GEMM node ``i`` computes (its weight's and bias's, behind their casts: :func:`weight_path`)."""
-    paths = (weight_path(names, edges, edges[i][k][0]) for k in analysis.weight_edges.get(i, ()))
-    return [path[-1] for path in paths if path is not None]
 
 
 def _consumer(plan: ScalePlan, analysis: GraphAnalysis, leaf: int) -> int:

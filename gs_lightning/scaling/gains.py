@@ -12,13 +12,13 @@ from torch.autograd.graph import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
 from gs_lightning.scaling.graph import (
-    BATCH_NORM_NODES,
     AutogradGraph,
     GraphAnalysis,
     batch_norm_gain_operands,
     batch_norm_gains,
     saved_tensor,
 )
+from gs_lightning.scaling.operators import Role, node_types
 from gs_lightning.scaling.underflow import finite, where_or
 
 
@@ -112,16 +112,17 @@ def node_gains(graph: AutogradGraph, analysis: GraphAnalysis) -> list[tuple[int,
     norms = [
         (j, operands)
         for j in candidates
-        if graph.names[j] in BATCH_NORM_NODES and (operands := batch_norm_gain_operands(graph.nodes[j])) is not None
+        if graph.names[j] in node_types(Role.BATCH_NORM)
+        and (operands := batch_norm_gain_operands(graph.nodes[j])) is not None
     ]
     found = list(zip([j for j, _ in norms], batch_norm_gains([operands for _, operands in norms])))
     for j in candidates:
         name = graph.names[j]
         gain = (
             None
-            if name in BATCH_NORM_NODES
+            if name in node_types(Role.BATCH_NORM)
             else constant_factor(graph.nodes[j])
-            if name == "MulBackward0"
+            if name in node_types(Role.PRODUCT)
             else saved_gradient_gain(graph.nodes[j])
         )
         if gain is not None:
@@ -151,7 +152,7 @@ def _saves_first_order_gradient(name: str) -> bool:
 
 def _may_have_gain(name: str) -> bool:
     """Whether a node of this type can have a gain :func:`node_gains` knows (the types it looks at)."""
-    return name in BATCH_NORM_NODES or name == "MulBackward0" or _saves_first_order_gradient(name)
+    return name in node_types(Role.BATCH_NORM, Role.PRODUCT) or _saves_first_order_gradient(name)
 
 
 def gains_after(

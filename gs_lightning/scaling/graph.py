@@ -3,7 +3,8 @@
 The graph hanging off ``loss.grad_fn`` *is* the paper's DAG of backward operators: a node per
 operator, an edge per gradient. :func:`walk` records it (cheap: it runs every iteration, since
 autograd builds a new graph each forward); :func:`analyze` classifies its nodes (GEMM, cast,
-branch, leaf) and names the layers, once per distinct graph structure.
+branch, leaf; by their types' records in :mod:`~gs_lightning.scaling.operators`) and names the layers,
+once per distinct graph structure.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from torch.autograd.graph import Node
 
 from gs_lightning.scaling.limits import Limit
-
-LEAF = "AccumulateGrad"
+from gs_lightning.scaling.operators import LEAF, Role, operator
+from gs_lightning.scaling.walks import parameter_leaf, transposes, weight_path
 
 Slot = tuple[int, int]  # (node index, input slot of that node)
 
@@ -103,13 +104,6 @@ def saved_function_tensor(node: Node, index: int) -> torch.Tensor | None:
     return node.saved_tensors[index]
 
 
-# Batch normalisation's backward, dX = γ·invstd·(dY less its projection on 1 and x̂) per channel,
-# can make a gradient larger than it came in, by up to max_c |γ_c|·invstd_c (in L2; 3.85x in
-# max on ResNet-8's stem, where that gain is 4): scales bounded against λmax before it overflowed
-# after it. cuDNN and MIOpen save the inverse std as result2 too.
-BATCH_NORM_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
-
-
 def batch_norm_gain_operands(node: Node) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """(γ, invstd) of a batch-norm backward node, whose gain is max_c |γ_c|·invstd_c (γ ``None`` without an
     affine weight: max_c invstd_c), or ``None`` where its saved tensors are unreadable (checkpointing;
@@ -151,19 +145,6 @@ def batch_norm_gains(operands: list[tuple[torch.Tensor | None, torch.Tensor]]) -
     return gains  # type: ignore[return-value]
 
 
-# torchvision's operators with autograd formulas (``torch.library.register_autograd``: custom
-# Functions to the walk), known by name. RoI pooling is linear in its gradient: a pass-through.
-# ``deform_conv2d`` is a convolution: a GEMM decision point (``GEMM_OPERANDS``, ``probes.py``).
-TORCHVISION_PASS_THROUGH = frozenset(
-    f"GeneratedBackwardFor_torchvision_{op}_defaultBackward"
-    for op in ("roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool")
-)
-# FSDP2's marker at each sharded module's inputs: an identity whose backward starts the module's
-# gradient reduction; the gradient passes through unchanged (an opaque region scaled it as a unit).
-FSDP_PASS_THROUGH = frozenset({"RegisterPostBackwardFunctionBackward"})
-DEFORM_CONV = "GeneratedBackwardFor_torchvision_deform_conv2d_defaultBackward"
-
-
 def saved_tensor(node: Node, name: str) -> torch.Tensor | None:
     """The tensor ``node`` saved as ``name`` (e.g. ``"weight"``), or ``None`` if reading it could harm.
 
@@ -202,7 +183,7 @@ class GemmOperand:
 def _parameter_operand(graph: AutogradGraph, i: int, edge: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The parameter an edge of node ``i`` carries the gradient of, as the GEMM saw it (its dtype)."""
     target = graph.edges[i][edge]
-    leaf = _leaf_reached(graph, target[0]) if target is not None else None
+    leaf = parameter_leaf(graph.names, graph.edges, target[0]) if target is not None else None
     return graph.nodes[leaf].variable.detach().to(dtype) if leaf is not None else None
 
 
@@ -228,21 +209,15 @@ def _parameter_as_saved(
     """The parameter behind a matrix operand that cannot be read (checkpointing), laid out as the node saw it.
 
     The layout comes from the node, not from the module: transposed once per transpose on the
-    path to the parameter (``Linear``'s weight reaches ``addmm`` as ``W.t()``; GPT-2's ``Conv1D``
-    stores its weight (in, out) and passes it as it is); ``None`` unless the shape then fits.
+    path to the parameter (:func:`~gs_lightning.scaling.walks.transposes`: ``Linear``'s weight reaches
+    ``addmm`` as ``W.t()``; GPT-2's ``Conv1D`` stores its weight (in, out) and passes it as it is);
+    ``None`` unless the shape then fits.
     """
     target = graph.edges[i][edge]
     weight = _parameter_operand(graph, i, edge, dtype)
     if target is None or weight is None or weight.dim() != 2:
         return None
-    transposes, node = 0, target[0]
-    while graph.names[node] != LEAF:
-        name = graph.names[node]
-        transposes += name in ("TBackward0", "TransposeBackward0") or (
-            name == "PermuteBackward0" and tuple(graph.nodes[node]._saved_dims) == (1, 0)
-        )
-        node = next(e for e in graph.edges[node] if e is not None)[0]
-    weight = weight.t() if transposes % 2 else weight
+    weight = weight.t() if transposes(graph, weight_path(graph.names, graph.edges, target[0])) % 2 else weight
     return weight if tuple(weight.shape) == tuple(shape) else None
 
 
@@ -277,22 +252,13 @@ def _saved_operand(
     return operand
 
 
-# Per GEMM node type, per input edge: the other operand and the accumulation length of that
-# input's gradient, e.g. addmm(bias, mat1, mat2): ∇mat1 = ∇Y · mat2ᵀ sums over mat2's columns.
-GEMM_OPERANDS: dict[str, dict[int, Callable[[AutogradGraph, int, torch.Tensor], GemmOperand]]] = {
-    "ConvolutionBackward0": {0: _conv_input},
-    "AddmmBackward0": {1: _addmm_mat1, 2: _saved_operand("mat1", lambda t: t.shape[0])},
-    "MmBackward0": {0: _saved_operand("mat2", lambda t: t.shape[-1]), 1: _saved_operand("self", lambda t: t.shape[-2])},
-    "BmmBackward0": {
-        0: _saved_operand("mat2", lambda t: t.shape[-1]),
-        1: _saved_operand("self", lambda t: t.shape[-2]),
-    },
-    "BaddbmmBackward0": {
-        1: _saved_operand("batch2", lambda t: t.shape[-1]),
-        2: _saved_operand("batch1", lambda t: t.shape[-2]),
-    },
-    DEFORM_CONV: {0: _deform_conv_input},
-}
+# A GEMM's weight-gradient bounds (the registry's ``Operator.weight_bound``): upper bounds on the largest weight
+# (and bias) gradient it outputs from the incoming ∇Y, for its inputs that are parameters, by what they bound.
+# The paper bounds only ∇X; but a weight gradient sums over batch × positions, so at scales that keep ∇X above
+# λmin it is the first to overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost
+# (ScalingRecipe.weight_grad_bounds; bench/weight_grad_overflow.py runs without them).
+# Under activation checkpointing the input is not readable: the bound is left out and an overflow
+# skips the step.
 
 
 def _channel_norm_max(t: torch.Tensor) -> torch.Tensor:
@@ -342,39 +308,6 @@ def _mm_weight_grad_bounds(node: Node, grad: torch.Tensor, weight_edges: tuple[i
     return {Limit.WEIGHT_GRADIENT: _channel_norm_max(grad) * _channel_norm_max(left)}
 
 
-# Per GEMM node type: upper bounds on the largest weight (and bias) gradient it outputs from the
-# incoming ∇Y, for its inputs that are parameters, by what they bound. The paper bounds only ∇X;
-# but a weight gradient sums over batch × positions, so at scales that keep ∇X above λmin it is
-# the first to overflow fp16 (seen on SSD). These bounds are strict, so such steps are not lost
-# (ScalingRecipe.weight_grad_bounds; bench/weight_grad_overflow.py runs without them).
-# Under activation checkpointing the input is not readable: the bound is left out and an overflow
-# skips the step.
-WEIGHT_GRAD_BOUNDS: dict[str, Callable[[Node, torch.Tensor, tuple[int, ...]], dict[Limit, torch.Tensor]]] = {
-    "ConvolutionBackward0": _conv_weight_grad_bounds,
-    "AddmmBackward0": _addmm_weight_grad_bounds,
-    "MmBackward0": _mm_weight_grad_bounds,
-}
-
-
-# Fused kernels that compute several GEMMs in low precision inside one node, and the edges whose
-# gradients an exact fp32 probe (``probes.py``) can compute: query, key, value of fused attention;
-# input (and, for oneDNN, initial hidden and cell states) of fused RNNs.
-ATTENTION_NODES = (
-    "ScaledDotProductFlashAttentionForCpuBackward0",
-    "ScaledDotProductFlashAttentionBackward0",
-    "ScaledDotProductEfficientAttentionBackward0",
-    "ScaledDotProductCudnnAttentionBackward0",
-)
-RNN_NODES = {"MkldnnRnnLayerBackward0": (0, 5, 6), "CudnnRnnBackward0": (0,)}
-FUSED_EDGES: dict[str, tuple[int, ...]] = {**dict.fromkeys(ATTENTION_NODES, (0, 1, 2)), **RNN_NODES}
-
-# Reentrant activation checkpointing: its backward recomputes the block and runs a second backward
-# over the block's graph, which this walk never sees (``scaling/checkpointing.py`` scales it).
-REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
-# The root joining several outputs (``scaling/join.py``: an inner graph's, or several scaled outputs'):
-# a pass-through, not opaque.
-JOIN_OUTPUTS = "JoinOutputsBackward"
-
 _LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn}
 
 
@@ -394,7 +327,7 @@ class GraphAnalysis:
         slots: Node index -> the input slots that receive gradients.
         leaves: Indices of ``AccumulateGrad`` nodes.
         layer_names: Name of every GEMM, cast, fused and opaque node, for reporting.
-        fused: Node index -> the probed edges of a fused attention or RNN node (``FUSED_EDGES``).
+        fused: Node index -> the probed edges of a fused attention or RNN node (the registry's ``probed_edges``).
         reentrant: Reentrant activation checkpoints, whose inner graphs are scaled on their own.
         opaque: Nodes this walk cannot see into (custom autograd Functions, compiled regions):
             their gradients pass through with the scale they carry.
@@ -426,46 +359,12 @@ class GraphAnalysis:
         return self.derived[key]
 
 
-# How a weight reaches a GEMM: autocast's cast, Linear's transpose, reshapes, a broadcast.
-WEIGHT_PATH = frozenset(
-    {
-        "ToCopyBackward0",
-        "TBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ViewBackward0",
-        "UnsafeViewBackward0",
-        "ReshapeAliasBackward0",
-        "ExpandBackward0",
-    }
-)
-
-
-def weight_path(
-    names: Sequence[str], edges: Sequence[tuple[Slot | None, ...]], target: int, hops: int = 4
-) -> tuple[int, ...] | None:
-    """The nodes from ``target`` to the leaf it reaches through :data:`WEIGHT_PATH` nodes with one onward edge
-    each, the leaf last, if any: an edge into ``target`` carries a weight gradient.
-
-    The one walk from a GEMM's edge to its parameter: the analysis's weight edges and layer names, the
-    expected maxima of the drift statistic and the fp32 recompute all take it.
-    """
-    path = []
-    for _ in range(hops):
-        path.append(target)
-        if names[target] == LEAF:
-            return tuple(path)
-        onward = [e for e in edges[target] if e is not None]
-        if names[target] not in WEIGHT_PATH or len(onward) != 1:
-            return None
-        target = onward[0][0]
-    return (*path, target) if names[target] == LEAF else None
-
-
-def _leaf_reached(graph: AutogradGraph, target: int) -> int | None:
-    """The leaf :func:`weight_path` reaches from ``target``, if any."""
-    path = weight_path(graph.names, graph.edges, target)
-    return path[-1] if path is not None else None
+def decision_nodes(analysis: GraphAnalysis) -> set[int]:
+    """The nodes an update decides a scale at, or merges incoming scales at: where its pre-hooks run, and where a
+    compiled region's replay multiplies what arrives (a traced region holds no reentrant checkpoint: dynamo
+    traces ``checkpoint`` as a non-reentrant one)."""
+    a = analysis
+    return a.gemms.keys() | a.fused.keys() | a.casts | a.merge_nodes | a.reentrant | a.opaque
 
 
 def _is_cast(graph: AutogradGraph, i: int) -> bool:
@@ -484,7 +383,8 @@ def _is_cast(graph: AutogradGraph, i: int) -> bool:
 
 def _is_opaque(node: Node, name: str) -> bool:
     """A node whose backward runs code this walk cannot see: a custom Function or a compiled region."""
-    if name == JOIN_OUTPUTS or name in TORCHVISION_PASS_THROUGH or name in FSDP_PASS_THROUGH:
+    op = operator(name)
+    if op is not None and op.role is Role.PASS_THROUGH:
         return False
     return isinstance(node, torch.autograd.function.BackwardCFunction) or "CompiledFunction" in name
 
@@ -503,7 +403,7 @@ def analyze(
     """
 
     def weight_leaf(target: int) -> int | None:
-        leaf = _leaf_reached(graph, target)
+        leaf = parameter_leaf(graph.names, graph.edges, target)
         return None if leaf in data_leaves else leaf
 
     analysis = GraphAnalysis()
@@ -525,27 +425,27 @@ def analyze(
         return name if seen_names[name] == 1 else f"{name}#{seen_names[name]}"
 
     for i, name in enumerate(graph.names):
+        op = operator(name)
+        role = op.role if op is not None else None
         if name == LEAF:
             analysis.leaves.add(i)
-        elif name in GEMM_OPERANDS:
+        elif role is Role.GEMM:
             edges = graph.edges[i]
             data_edges = tuple(
-                k
-                for k, e in enumerate(edges)
-                if e is not None and k in GEMM_OPERANDS[name] and weight_leaf(e[0]) is None
+                k for k, e in enumerate(edges) if e is not None and k in op.operands and weight_leaf(e[0]) is None
             )
             analysis.gemms[i] = data_edges
             analysis.weight_edges[i] = tuple(
                 k for k, e in enumerate(edges) if e is not None and weight_leaf(e[0]) is not None
             )
             analysis.layer_names[i] = unique(_gemm_layer_name(graph, i, module_names) or name.removesuffix("Backward0"))
-        elif name in FUSED_EDGES:
+        elif role in (Role.ATTENTION, Role.RNN):
             edges = graph.edges[i]
-            analysis.fused[i] = tuple(k for k in FUSED_EDGES[name] if k < len(edges) and edges[k] is not None)
+            analysis.fused[i] = tuple(k for k in op.probed_edges if k < len(edges) and edges[k] is not None)
             own_name = _gemm_layer_name(graph, i, module_names)  # an RNN's weights; attention has none
             if own_name is not None:
                 analysis.layer_names[i] = unique(own_name)
-        elif name == REENTRANT_CHECKPOINT:
+        elif role is Role.REENTRANT_CHECKPOINT:
             analysis.reentrant.add(i)
         elif _is_opaque(graph.nodes[i], name):
             analysis.opaque.add(i)
@@ -574,7 +474,7 @@ def _gemm_layer_name(graph: AutogradGraph, i: int, module_names: dict[int, str])
     for edge in graph.edges[i]:
         if edge is None:
             continue
-        leaf = _leaf_reached(graph, edge[0])
+        leaf = parameter_leaf(graph.names, graph.edges, edge[0])
         if leaf is not None:
             name = module_names.get(id(graph.nodes[leaf].variable))
             if name is not None:

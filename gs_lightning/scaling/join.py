@@ -3,7 +3,8 @@
 A backward over several outputs (``torch.autograd.backward([a, b], grads)``, or a reentrant
 checkpoint's inner backward over its block's outputs) has no single root node the scaler could
 walk from. :func:`join_outputs` passes the outputs through one identity node, :class:`JoinOutputs`,
-that becomes that root; the graph below it is the union of the outputs' graphs.
+that becomes that root; the graph below it is the union of the outputs' graphs. The registry
+(:mod:`~gs_lightning.scaling.operators`) knows its node as a pass-through: the gradients keep their scale.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class Limit(Enum):
     NONE = ""
     INCOMING_GRADIENT = "incoming gradient"
     INPUT_GRADIENT = "gradient of input"  # what a GEMM sends on, bounded from its operands
-    WEIGHT_GRADIENT = "weight gradient"  # a GEMM's, bounded by Cauchy–Schwarz or measured (graph.WEIGHT_GRAD_BOUNDS)
+    WEIGHT_GRADIENT = "weight gradient"  # a GEMM's, bounded by Cauchy–Schwarz (Operator.weight_bound) or measured
     BIAS_GRADIENT = "bias gradient"  # computed exactly: a sum of the incoming gradient
     OUTPUT = "output"  # a sampled node's exact outputs
     # The values a GEMM's weight and bias gradients reached on recent batches

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import Node
 
-from gs_lightning.scaling.graph import ATTENTION_NODES, DEFORM_CONV, RNN_NODES, saved_function_tensor, saved_tensor
+from gs_lightning.scaling.graph import saved_function_tensor, saved_tensor
+from gs_lightning.scaling.operators import Role, operator
 
 
 def weight_probe_elements(grad: torch.Tensor, elements: int, macs: int) -> int:
@@ -54,7 +55,8 @@ def probe(
     """Exact fp32 values of a slice of the gradient ``node`` sends along ``edge``.
 
     Args:
-        node: A backward node whose type name is in :data:`PROBED`.
+        node: A GEMM or fused attention node with a probe in the registry
+            (:attr:`~gs_lightning.scaling.operators.Operator.probe`).
         grad: The gradient arriving at the node's slot 0 (at its current scale, any dtype).
         edge: Index in ``node.next_functions`` of the outgoing gradient wanted.
         operand: The other GEMM operand, laid out as the node saved it (e.g. ``mat2`` of an
@@ -69,15 +71,14 @@ def probe(
         At most ``elements`` fp32 values (flattened or not), or ``None`` when they
         cannot be computed (unsupported node or edge, unreadable saved tensors).
     """
-    name = type(node).__name__
-    compute = _PROBES.get(name)
-    if (compute is None and name not in ATTENTION_NODES) or grad is None:
+    op = operator(type(node).__name__)
+    if op is None or op.role not in (Role.GEMM, Role.ATTENTION) or grad is None:
         return None
     with torch.no_grad(), _fp32(grad.device):
         # Each probe converts to fp32 what it slices, not the whole gradient (two or three probes per node).
-        if compute is None:  # fused attention, with its own budget for the score matrices
-            return _at_most(_attention(node, detached(grad), edge, elements, scores_elements), elements)
-        return _at_most(compute(node, detached(grad), edge, operand, elements), elements)
+        if op.role is Role.ATTENTION:  # with its own budget for the score matrices
+            return _at_most(op.probe(node, detached(grad), edge, elements, scores_elements), elements)
+        return _at_most(op.probe(node, detached(grad), edge, operand, elements), elements)
 
 
 def _at_most(values: torch.Tensor | None, elements: int) -> torch.Tensor | None:
@@ -480,10 +481,6 @@ _RNN_CELLS: dict[int, Callable] = {
 }
 _LSTM = 2
 
-# Per fused RNN node type: the edges whose gradient :func:`rnn_probe` computes (input; for oneDNN's
-# single-layer node also the initial hidden and cell states).
-RNN_PROBED: dict[str, frozenset[int]] = {name: frozenset(edges) for name, edges in RNN_NODES.items()}
-
 
 def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int, elements: int) -> torch.Tensor | None:
     """Exact fp32 values of a slice of the gradient a fused RNN node sends along ``edge``.
@@ -493,22 +490,22 @@ def rnn_probe(node: Node, grads: Sequence[torch.Tensor | None], edge: int, eleme
     differentiated by autograd with the matching slices of the incoming gradients.
 
     Args:
-        node: A node whose type name is in :data:`RNN_PROBED` (``MkldnnRnnLayerBackward0``: one
+        node: A fused RNN node (``MkldnnRnnLayerBackward0``: one
             layer and direction, on CPU; ``CudnnRnnBackward0``: the whole stack, on CUDA).
         grads: The gradients arriving at the node's slots (output, final hidden state, final cell
             state), ``None`` where none arrives; at their current scale, any dtype.
-        edge: Index in ``node.next_functions``: 0 for the input; 5 / 6 (oneDNN only) for the
-            initial hidden / cell state.
+        edge: Index in ``node.next_functions``, one of the registry's ``probed_edges``: 0 for the input;
+            5 / 6 (oneDNN only) for the initial hidden / cell state.
         elements: Upper bound on the number of values returned.
 
     Returns:
         At most ``elements`` fp32 values, or ``None`` when they cannot be computed
         (unreadable saved tensors, packed sequences, dropout between layers).
     """
-    name = type(node).__name__
-    if edge not in RNN_PROBED.get(name, ()) or all(g is None for g in grads):
+    op = operator(type(node).__name__)
+    if op is None or op.role is not Role.RNN or edge not in op.probed_edges or all(g is None for g in grads):
         return None
-    spec = _mkldnn_spec(node) if name == "MkldnnRnnLayerBackward0" else _cudnn_spec(node)
+    spec = op.probe(node)  # where this kernel saved the recurrence's inputs and weights
     if spec is None:
         return None
     x, hx, cx, layers, mode, batch_first = spec
@@ -629,15 +626,3 @@ def _projected_lstm_step(
     i, f, g, o = gates.chunk(4, dim=-1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return (torch.sigmoid(o) * torch.tanh(c)) @ w_hr.t(), c
-
-
-_PROBES: dict[str, Callable[[Node, torch.Tensor, int, torch.Tensor | None, int], torch.Tensor | None]] = {
-    "ConvolutionBackward0": _convolution,
-    "AddmmBackward0": _matmul_probe(1, 2, "mat1", "mat2"),
-    "MmBackward0": _matmul_probe(0, 1, "self", "mat2"),
-    "BmmBackward0": _matmul_probe(0, 1, "self", "mat2"),
-    "BaddbmmBackward0": _matmul_probe(1, 2, "batch1", "batch2"),
-    DEFORM_CONV: _deform_convolution,
-}
-
-PROBED: frozenset[str] = frozenset({*_PROBES, *ATTENTION_NODES})  # attention: _attention, with its own budget

@@ -30,12 +30,10 @@ from functools import partial
 import torch
 from torch.autograd.graph import Node
 
-from gs_lightning.scaling.graph import WEIGHT_PATH, AutogradGraph, GraphAnalysis, saved_tensor, weight_path
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, saved_tensor
+from gs_lightning.scaling.operators import operator
 from gs_lightning.scaling.plan import ScalePlan
-
-# The recompute calls the nodes between a GEMM and its parameter as they are: those that only cast or lay out
-# the gradient. A broadcast weight (Expand, summed back) is left to the step's skip.
-_LAYOUT_NODES = WEIGHT_PATH - {"ExpandBackward0"}
+from gs_lightning.scaling.walks import recomputable_path, weight_path
 
 # A parameter edge's fp32 gradient from the node, its fp32 incoming gradient, its fp32 saved operands and the edge.
 EdgeGradient = Callable[[Node, torch.Tensor, dict[str, torch.Tensor], int], torch.Tensor]
@@ -71,12 +69,11 @@ def _matmul(self_edge: int | None, left_edge: int, left: str, right: str) -> Edg
     return gradient
 
 
-# Node type -> (its parameter edges' gradient, parameter edge -> the saved operands that gradient is computed from).
-_RECOMPUTE: dict[str, tuple[EdgeGradient, dict[int, tuple[str, ...]]]] = {
-    "ConvolutionBackward0": (_convolution, {1: ("input", "weight"), 2: ()}),
-    "AddmmBackward0": (_matmul(0, 1, "mat1", "mat2"), {0: (), 1: ("mat2",), 2: ("mat1",)}),
-    "MmBackward0": (_matmul(None, 0, "self", "mat2"), {0: ("mat2",), 1: ("self",)}),
-}
+def _recompute_operands(name: str) -> dict[int, tuple[str, ...]]:
+    """Parameter edge -> the saved operands its gradient is recomputed from, for GEMM type ``name`` (the registry's
+    :attr:`~gs_lightning.scaling.operators.Operator.recompute`; empty where it has none)."""
+    op = operator(name)
+    return {} if op is None or op.recompute is None else dict(op.recompute.operands)
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,7 @@ class _Parameter:
 def _parameter_behind(graph: AutogradGraph, i: int, k: int) -> _Parameter | None:
     edge = graph.edges[i][k]
     path = weight_path(graph.names, graph.edges, edge[0]) if edge is not None else None
-    if path is None or any(graph.names[n] not in _LAYOUT_NODES for n in path[:-1]):
+    if path is None or not recomputable_path(graph.names, path):  # a broadcast weight: left to the step's skip
         return None
     return _Parameter(k, path[-1], path[:-1])
 
@@ -101,7 +98,7 @@ def _parameters(
 ) -> list[_Parameter] | None:
     """GEMM ``i``'s parameter edges, if it is a known node and each leads through layout nodes to a
     parameter whose gradient is deferred; ``None`` otherwise."""
-    edges, operands = analysis.weight_edges.get(i, ()), _RECOMPUTE.get(graph.names[i], (None, {}))[1]
+    edges, operands = analysis.weight_edges.get(i, ()), _recompute_operands(graph.names[i])
     if not edges or any(k not in operands for k in edges):
         return None
     found = [_parameter_behind(graph, i, k) for k in edges]
@@ -109,7 +106,7 @@ def _parameters(
 
 
 def _operand_names(graph: AutogradGraph, i: int, parameters: list[_Parameter]) -> set[str]:
-    operands = _RECOMPUTE[graph.names[i]][1]
+    operands = _recompute_operands(graph.names[i])
     return {name for p in parameters for name in operands[p.edge]}
 
 
@@ -247,7 +244,7 @@ class WeightGradRecompute:
                 i, p = owner[j]
                 kept, node = kept_of[i], graph.nodes[i]
                 operands = {name: t.float() for name, t in kept.operands.items()}
-                grad = _RECOMPUTE[graph.names[i]][0](node, kept.grad.float(), operands, p.edge)
+                grad = operator(graph.names[i]).recompute.gradient(node, kept.grad.float(), operands, p.edge)
                 target = graph.edges[i][p.edge]
                 grad = grad.sum_to_size(graph.nodes[target[0]]._input_metadata[target[1]].shape)
                 scaled_maxima.append(grad.abs().amax() if grad.numel() else grad.new_zeros(()))

@@ -17,10 +17,10 @@ from functools import partial
 
 import torch
 
-from gs_lightning.scaling.bounds import ScaleBounds, Settings, decision_nodes
+from gs_lightning.scaling.bounds import ScaleBounds, Settings
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions
 from gs_lightning.scaling.gradient_stats import Extremes, extremes
-from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot, decision_nodes
 from gs_lightning.scaling.modes import outside_low_precision_modes
 from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, as_read, edge_shift, shift, times_pow2
 from gs_lightning.scaling.profiled import profiled

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gs_lightning.scaling.drift import parameter_leaves
-from gs_lightning.scaling.graph import analyze, saved_tensor, walk, weight_path
+from gs_lightning.scaling.graph import analyze, saved_tensor, walk
 from gs_lightning.scaling.recompute import recomputable
+from gs_lightning.scaling.walks import parameter_leaves, weight_path
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from gs_lightning.scaling import probes, underflow
+from gs_lightning.scaling.operators import Role, operator, registry
 from gs_lightning.scaling.recipe import ScalingRecipe
 
 LAMBDA = 2.0**-14
@@ -183,7 +184,7 @@ def test_attention_probe_is_the_math_backward(is_causal, mask, gqa, chunked) -> 
     reference = [t.grad for t in inputs]
     for edge in range(3):
         out, inputs = attention(SDPBackend.FLASH_ATTENTION)
-        assert type(out.grad_fn).__name__ in probes.PROBED
+        assert operator(type(out.grad_fn).__name__).role is Role.ATTENTION
         probe = _probe_at(out, grad, edge, scores_elements=scores_elements)
         torch.testing.assert_close(probe, reference[edge], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(probe, inputs[edge].grad, rtol=1e-5, atol=1e-5)
@@ -253,7 +254,8 @@ def test_unsupported_nodes_and_edges_give_none() -> None:
     x = torch.randn(3, 3, requires_grad=True)
     assert _probe_at(torch.mm(x, x.detach()), torch.ones(3, 3), 5) is None
     assert _probe_at(x.exp(), torch.ones(3, 3), 0) is None
-    assert {"ConvolutionBackward0", "AddmmBackward0", "ScaledDotProductFlashAttentionForCpuBackward0"} <= probes.PROBED
+    probed = {name for name, op in registry().items() if op.probe is not None}
+    assert {"ConvolutionBackward0", "AddmmBackward0", "ScaledDotProductFlashAttentionForCpuBackward0"} <= probed
 
 
 # --- fused RNNs ------------------------------------------------------------------------------------
@@ -282,7 +284,7 @@ def test_onednn_lstm_probe_is_the_input_and_state_gradient(bidirectional: bool, 
     c0 = torch.randn_like(h0, requires_grad=True)
     y, (h, c) = lstm(x, (h0, c0))
     nodes = _nodes_named(y.grad_fn, "MkldnnRnnLayerBackward0")
-    assert len(nodes) == directions and set(probes.RNN_PROBED) >= {"MkldnnRnnLayerBackward0"}
+    assert len(nodes) == directions and operator("MkldnnRnnLayerBackward0").probed_edges == (0, 5, 6)
     results = {}
     for node in nodes:
         node.register_prehook(

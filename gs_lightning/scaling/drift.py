@@ -11,9 +11,9 @@ the loop unscales before it clips, as GradScaler loops, Lightning, Accelerate an
   roughly doubles: :class:`GradientDrift` asks for an update on the next backward, so
   ``update_interval`` is the longest interval, not a fixed period. Shrink, not one small batch: the
   group's largest value is judged by the larger of this batch's and the group's level (the median
-  of its last :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.level_steps` steps), as the update's reference is by the smaller; a fall that
-  lasts asks for an update within about half that many steps (ResNet-8: 43-53 updates in 200 steps
-  became 21-30). A weight gradient that is all
+  of its last :attr:`~gs_lightning.scaling.recipe.ScalingRecipe.level_steps` steps), as the
+  update's reference is by the smaller; a fall that lasts asks for an update within about half
+  that many steps (ResNet-8: 43-53 updates in 200 steps became 21-30). A weight gradient that is all
   zeros at an update gives its layers nothing to decide on; such gradients are common at
   initialisation (a residual branch behind a zero-initialised BatchNorm weight, LoRA's zero B) and
   turn nonzero with the first step: an update that meets a newly all-zero weight gradient asks for
@@ -33,8 +33,8 @@ the loop unscales before it clips, as GradScaler loops, Lightning, Accelerate an
   (:meth:`GradientDrift.expect`) bound it at the next update, as Transformer Engine's
   amax history bounds a tensor's scale, but following a level that falls.
 * **Overflow.** A non-finite maximum names the parameters whose gradient overflowed; with the
-  plan's scales :func:`overflow_caps` lowers only the layers that produced it
-  (:class:`LayerBackoff`), and only their gradients are remembered as spikes.
+  plan's scales :func:`~gs_lightning.scaling.backoff.overflow_caps` lowers only the layers that produced it
+  (:class:`~gs_lightning.scaling.backoff.LayerBackoff`), and only their gradients are remembered as spikes.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
+from gs_lightning.scaling.backoff import computing_node
 from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import GraphAnalysis, Slot
 from gs_lightning.scaling.plan import Exponent, ScalePlan
-from gs_lightning.scaling.walks import parameter_leaves
 
 Edges = tuple[tuple[Slot | None, ...], ...]  # a graph's (or a plan's) edges, node by node
 
@@ -263,7 +263,8 @@ class GradientDrift:
         return max(largest, self._level(leaves, largest))
 
     def _level(self, leaves: tuple[int, ...], largest: float) -> float:
-        """The median of a scale group's largest values over the last :attr:`level_steps` steps, this one's (``largest``) included."""
+        """The median of a scale group's largest values over the last :attr:`level_steps` steps, this one's
+        (``largest``) included."""
         # step.get(leaf, 0.0) by map, twice as fast as a generator: this runs for every group on every step
         earlier = self.recent[-(self.level_steps - 1) :] if self.level_steps > 1 else []  # [-0:] would be all
         steps = [max(map(step.get, leaves, repeat(0.0)), default=0.0) for step in earlier]
@@ -335,7 +336,8 @@ class GradientDrift:
         return self.expected, {leaf: v for leaf, v in zip(leaves, level) if math.isfinite(v)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The reference maxima, the gradients zero at the update, the expected and the recent maxima, as plain containers."""
+        """The reference maxima, the gradients zero at the update, the expected and the recent maxima, as plain
+        containers."""
         return {
             "reference": [[alpha, list(leaves), norm] for alpha, (leaves, norm) in sorted(self.reference.items())],
             "zero_at_update": sorted(self.zero_at_update),
@@ -434,74 +436,6 @@ def unscale_and_measure(
             drift.measure(alpha, tuple(j for j, _ in dense), [grad for _, grad in dense], update)
 
 
-# --- per-layer back-off ----------------------------------------------------------------------
-
-
-@dataclass
-class LayerBackoff:
-    """Caps on the accumulated scale of single nodes of the loss's graph, set by overflows.
-
-    Attributes:
-        caps: Node index -> (log2 cap on the scale its outgoing gradients carry, iteration it was
-            last set or relaxed).
-    """
-
-    caps: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-    def node_caps(self) -> dict[int, int]:
-        """Node index -> log2 cap, for an update run."""
-        return {i: cap for i, (cap, _) in self.caps.items()}
-
-    def lower(self, caps: Mapping[int, int], iteration: int, floor: int) -> None:
-        """Apply the caps of an overflow (keeping any lower one already there)."""
-        for i, cap in caps.items():
-            old = self.caps.get(i)
-            self.caps[i] = (max(min(cap, old[0]) if old is not None else cap, floor), iteration)
-
-    def relax(self, alpha_out: Mapping[int, int], iteration: int, interval: int) -> None:
-        """After an update: once ``interval`` iterations passed since a cap was set or relaxed, relax it by one bit, or drop it if it no longer binds.
-
-        Counted in iterations, not updates, so that updates the drift triggers relax nothing faster.
-        """
-        for i, (cap, since) in list(self.caps.items()):
-            if iteration - since < interval:
-                continue
-            if alpha_out.get(i, cap - 1) < cap:
-                del self.caps[i]
-            else:
-                self.caps[i] = (cap + 1, iteration)
-
-    def state_dict(self) -> list[list[int]]:
-        """The caps, as plain containers."""
-        return [[i, cap, since] for i, (cap, since) in sorted(self.caps.items())]
-
-    def load_state_dict(self, state: list[list[int]]) -> None:
-        """Restore :meth:`state_dict`'s caps."""
-        self.caps = {int(i): (int(cap), int(since)) for i, cap, since in state}
-
-
-def overflow_caps(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int], bits: int) -> dict[int, int]:
-    """Node -> log2 cap that lowers the layers an overflow between updates came from, and no other.
-
-    A non-finite weight gradient at a GEMM came from that GEMM (its weight gradient overflowed) or
-    from above it (the gradient it received was already non-finite). Of the GEMMs (or other nodes)
-    whose weight gradients were non-finite, those with no such node above them are where it
-    started; every node on the way from the loss to one of them that sent gradients at the scale
-    it received them at, or higher, gets a cap ``bits`` below its own scale
-    (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.backoff_bits`). Nodes in other
-    branches keep theirs.
-    """
-    parents = _parents(plan.edges)
-    caps: dict[int, int] = {}
-    for i in overflow_origins(analysis, plan, non_finite):
-        received = max((a for (j, _), a in plan.slot_alpha.items() if j == i), default=plan.alpha_out.get(i, 0))
-        for n in _ancestors(parents, i) | {i}:
-            alpha = plan.alpha_out.get(n)
-            if alpha is not None and alpha >= received:
-                caps[n] = min(caps.get(n, alpha - bits), alpha - bits)
-    return caps
-
-
 def within_margin(
     analysis: GraphAnalysis, plan: ScalePlan, surprised: Mapping[int, float], highest_total: Callable[[float], int]
 ) -> bool:
@@ -513,53 +447,7 @@ def within_margin(
     The layer is the node that computed the gradient (:func:`overflow_caps`' choice).
     """
     for leaf, value in surprised.items():
-        node = _consumer(plan, analysis, leaf) if leaf in analysis.leaf_sources else None
+        node = computing_node(plan, analysis, leaf) if leaf in analysis.leaf_sources else None
         if node is None or node not in plan.alpha_out or plan.alpha_out[node] > highest_total(value):
             return False
     return True
-
-
-def overflow_origins(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int]) -> set[int]:
-    """The nodes where an overflow between updates started.
-
-    Of the nodes whose parameter gradients were non-finite, those with no such node above them: the
-    others' were non-finite because a gradient they received already was.
-    """
-    bad = {_consumer(plan, analysis, j) for j in non_finite if j in analysis.leaf_sources}
-    parents = _parents(plan.edges)
-    return {i for i in bad if not _ancestors(parents, i) & (bad - {i})}
-
-
-def overflow_leaves(analysis: GraphAnalysis, plan: ScalePlan, non_finite: Iterable[int]) -> set[int]:
-    """Of the non-finite leaves, those whose gradient overflowed itself: computed at a node of :func:`overflow_origins`."""
-    non_finite = [j for j in non_finite if j in analysis.leaf_sources]
-    origins = overflow_origins(analysis, plan, non_finite)
-    return {j for j in non_finite if _consumer(plan, analysis, j) in origins}
-
-
-def _consumer(plan: ScalePlan, analysis: GraphAnalysis, leaf: int) -> int:
-    """The node that computed a leaf's gradient: the GEMM behind a weight's cast or transpose, or its source."""
-    for i in analysis.weight_edges:
-        if leaf in parameter_leaves(plan.names, plan.edges, analysis, i):
-            return i
-    return analysis.leaf_sources[leaf]
-
-
-def _parents(edges: Edges) -> dict[int, list[int]]:
-    parents: dict[int, list[int]] = defaultdict(list)
-    for i, node_edges in enumerate(edges):
-        for edge in node_edges:
-            if edge is not None:
-                parents[edge[0]].append(i)
-    return parents
-
-
-def _ancestors(parents: Mapping[int, list[int]], start: int) -> set[int]:
-    seen: set[int] = set()
-    frontier = [start]
-    while frontier:
-        for p in parents.get(frontier.pop(), ()):
-            if p not in seen:
-                seen.add(p)
-                frontier.append(p)
-    return seen

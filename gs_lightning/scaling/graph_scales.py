@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gs_lightning.scaling.backoff import LayerBackoff
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions, UnreadRates
-from gs_lightning.scaling.drift import GradientDrift, LayerBackoff
+from gs_lightning.scaling.drift import GradientDrift
 from gs_lightning.scaling.gradient_stats import DeviceRead, FiniteFlags, first_non_finite
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan

@@ -103,11 +103,16 @@ class ScalingRecipe:
             of the batches to come are not measured inside it). Measured by ``pytest
             tests/scaling/test_opaque.py``.
         backoff_bits: Bits an overflow takes off the accumulated scale of the layers it came from
-            (per-layer back-off; one bit where no layer can be named). Protects against the next
+            (per-layer back-off). Protects against the next
             update choosing the same scale on a batch like the one that overflowed. Chosen on
             ``python bench/compare_training.py`` (ResNet-8, e5m2 gradients, seed 0, 200 steps; commit
             067a424): 2 bits skipped 5 steps at 0.084% GEMM-gradient underflow, 3 bits 3 steps at
             0.129%; the rule by ``pytest tests/scaling/test_drift.py -k lowers_only_the_overflowing``.
+        unattributed_backoff_bits: Bits an overflow no layer can be named for (a non-finite loss, a
+            gradient written by user code) takes off every accumulated scale, below the largest that
+            ran: the whole graph backs off, as a dynamic loss scale does (by one binade, as
+            ``GradScaler``'s default ``backoff_factor=0.5``). The rule by ``pytest
+            tests/scaling/test_backoff.py``.
         min_backoff_log2: The back-off stops here: a non-finite *forward* cannot be fixed by scaling.
         max_log2_total_scale: Accumulated scales stay at or below 2^this, where fp32 (the
             arithmetic that applies a factor, and the scalar it is given as) represents every
@@ -217,6 +222,7 @@ class ScalingRecipe:
     opaque_probe_headroom_log2: int = 12
     opaque_margin_log2: int = 1
     backoff_bits: int = 2
+    unattributed_backoff_bits: int = 1
     min_backoff_log2: int = -64
     max_log2_total_scale: int = 100
     max_graphs: int = 8
@@ -279,8 +285,9 @@ class ScalingRecipe:
                 fail(field, "an integer >= 0")
         if not (_is_number(self.recomputed_spike_share) and 0.0 <= self.recomputed_spike_share <= 1.0):
             fail("recomputed_spike_share", "a number in [0, 1]")
-        if not _is_int(self.backoff_bits) or self.backoff_bits < 1:
-            fail("backoff_bits", "a positive integer")
+        for name in ("backoff_bits", "unattributed_backoff_bits"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(name, "a positive integer")
         if not _is_int(self.min_backoff_log2) or self.min_backoff_log2 > 0:
             fail("min_backoff_log2", "an integer <= 0")
         if not _is_int(self.max_log2_total_scale) or not 1 <= self.max_log2_total_scale <= 126:

@@ -19,14 +19,10 @@ from test_scaler import CASES, _grads
 from torch import nn
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.backoff import LayerBackoff
 from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.decide import NodeDecisions
-from gs_lightning.scaling.drift import (
-    DriftReading,
-    GradientDrift,
-    LayerBackoff,
-    within_margin,
-)
+from gs_lightning.scaling.drift import DriftReading, GradientDrift, within_margin
 from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.schedule import UpdateReason

@@ -151,6 +151,7 @@ PAPER_SILENT = {
     "opaque_probe_headroom_log2",
     "opaque_margin_log2",
     "backoff_bits",
+    "unattributed_backoff_bits",
     "min_backoff_log2",
     "max_log2_total_scale",
     "max_graphs",

@@ -1,4 +1,5 @@
-"""Small versions of the paper's three experiments and a deep plain network, held in memory, for ``bench/compare_training.py``.
+"""Small versions of the paper's three experiments and a deep plain network, held in memory, for
+``bench/compare_training.py``.
 
 Each task writes its generated dataset once (seeded, in the real on-disk layout) under a cache
 folder, loads it into tensors, and builds a fresh network from a seed:

@@ -132,7 +132,8 @@ class ScaledBackwards:
 
     @property
     def lambda_lost(self) -> float:
-        """Below this a gradient's value is lost: the smallest subnormal, raised by the drift tolerated between updates."""
+        """Below this a gradient's value is lost: the smallest subnormal, raised by the drift tolerated between
+        updates."""
         return self.format.subnormal_min * 2.0 ** (self.recipe.drift_tolerance_log2 or 0.0)
 
     def new_drift(self) -> GradientDrift:

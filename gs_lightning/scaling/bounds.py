@@ -124,7 +124,8 @@ class ScaleBounds:
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
-        where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
+        where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the
+        spikes."""
         graph, analysis, maxima = self.graph, self.analysis, {}
         parameters = analysis.derive(
             "parameter leaves",
@@ -155,7 +156,8 @@ class ScaleBounds:
         return fed[i]
 
     def expected_total(self, i: int) -> int:
-        """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as :meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>` bounds it)."""
+        """The highest accumulated scale GEMM node ``i`` can keep under its expected maxima (as
+        :meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>` bounds it)."""
         return expected_total(self.expected[i], self.settings.lambda_max, self.expected_margin())
 
     def expected_margin(self) -> float:
@@ -186,7 +188,8 @@ class ScaleBounds:
         return exponent.clamp(max=cap) if isinstance(exponent, torch.Tensor) else min(exponent, cap)
 
     def ceiling(self, i: int, alpha: Exponent, device: torch.device) -> torch.Tensor | None:
-        """The highest local scale node ``i`` may take, receiving ``alpha`` (``None`` where nothing caps it), on ``device``."""
+        """The highest local scale node ``i`` may take, receiving ``alpha`` (``None`` where nothing caps it), on
+        ``device``."""
         ceiling, _ = self._ceiling(i, alpha)
         return None if ceiling is None else as_float64(ceiling, device)
 

@@ -177,7 +177,8 @@ class NodeDecisions:
 
     Attributes:
         layers: What each decision chose, in backward order: :class:`UnreadLayer` until :meth:`read_in`.
-        finite_flags: (layer, values finite iff its gradient is), for :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
+        finite_flags: (layer, values finite iff its gradient is), for
+            :func:`~gs_lightning.scaling.gradient_stats.first_non_finite`.
         opaque_probes: Opaque node -> (probe scale, overflow bound of its input), until its outputs settle it.
         unread_rates: The layers' rates, filled in with the step's read (:meth:`UnreadRates.applied_to`):
             their rates in :attr:`layers` are NaN until then.
@@ -254,7 +255,8 @@ class NodeDecisions:
         return torch.where((exponents == first).all(), first, chosen)
 
     def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
-        """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest scale.
+        """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest
+        scale.
 
         The first layer sends no activation gradient on: its weight gradients alone decide its scale.
         """
@@ -365,7 +367,8 @@ class NodeDecisions:
         ]
 
     def _measured_weight_maximum(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """The largest value of GEMM ``i``'s weight gradients, computed in fp32, times :attr:`ScalingRecipe.weight_grad_margin_log2`
+        """The largest value of GEMM ``i``'s weight gradients, computed in fp32, times
+        :attr:`ScalingRecipe.weight_grad_margin_log2`
         to spare: one more GEMM, on the update iterations of the layers in :attr:`Settings.measured_weight_nodes`.
         ``None`` without exact probes (the Cauchy–Schwarz bound then binds nowhere it would keep the scale from γ')."""
         exact = self._weight_samples(i, grad, elements=sys.maxsize) if self.settings.recipe.exact_probes else []
@@ -449,7 +452,8 @@ class NodeDecisions:
         return beta
 
     def opaque_probe(self, i: int, grad_extremes: Extremes, alpha: Exponent) -> torch.Tensor:
-        """An opaque region's scale on its update iteration: its incoming gradient :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
+        """An opaque region's scale on its update iteration: its incoming gradient
+        :attr:`ScalingRecipe.opaque_probe_headroom_log2` below λmax."""
         device = grad_extremes[0].device
         upper = overflow_max_log2_scale(magnitude(grad_extremes), self.settings.lambda_max)
         # ceil(upper) - 1: the highest scale strictly below the overflow; the headroom below that
@@ -517,7 +521,8 @@ class NodeDecisions:
         return 0
 
     def unread(self) -> list[torch.Tensor]:
-        """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided, the weight bounds' flags."""
+        """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided, the weight
+        bounds' flags."""
         return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()] + list(
             self.weight_binds.values()
         )
@@ -542,7 +547,8 @@ def largest(values: list[torch.Tensor], device: torch.device, default: float = -
 
 @lru_cache(maxsize=256)
 def _one_hot(size: int, position: int, device: torch.device) -> torch.Tensor:
-    """A bool vector on ``device``, true at ``position`` only: made once per (size, position, device), never written to."""
+    """A bool vector on ``device``, true at ``position`` only: made once per (size, position, device), never written
+    to."""
     return torch.arange(size, device=device) == position
 
 

@@ -69,7 +69,8 @@ def post_order(count: int, targets: Callable[[int], list[int]], stops: Container
 
 
 def constant_factor(node: Node) -> torch.Tensor | None:
-    """|c| of a product by a constant scalar c (``MulBackward0`` whose saved factor is 0-dim), as a 0-dim tensor, else ``None``.
+    """|c| of a product by a constant scalar c (``MulBackward0`` whose saved factor is 0-dim), as a 0-dim tensor, else
+    ``None``.
 
     Its backward multiplies the gradient by c. Under ``create_graph=True`` the scaler's own factors
     are such products, recorded in the first backward's graph: a second backward through it (a

@@ -357,7 +357,8 @@ def _convolution_input(
 def _deform_convolution(
     node: Node, grad: torch.Tensor, edge: int, operand: torch.Tensor | None, elements: int
 ) -> torch.Tensor | None:
-    """∇input of torchvision's ``deform_conv2d`` for a strided subset of batch elements (torchvision's own backward, in fp32)."""
+    """∇input of torchvision's ``deform_conv2d`` for a strided subset of batch elements (torchvision's own backward,
+    in fp32)."""
     saved = [saved_function_tensor(node, k) for k in range(5)]  # input, weight, offset, mask, bias
     if edge != 0 or any(t is None for t in saved):
         return None

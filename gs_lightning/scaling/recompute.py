@@ -215,7 +215,8 @@ class WeightGradRecompute:
         return {i: _Kept(grad, *self._operands[i]) for i, grad in self._grads.items()}
 
     def clear(self) -> None:
-        """Drop what was kept (the step is done, or another backward begins): the references are all the memory it holds."""
+        """Drop what was kept (the step is done, or another backward begins): the references are all the memory it
+        holds."""
         self._operands.clear()
         self._grads.clear()
         self._replayed = None

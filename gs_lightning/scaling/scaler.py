@@ -5,8 +5,9 @@ How it runs, in brief:
 * Every backward walks the new autograd graph (a few hundred nodes: well under a millisecond).
 * Each graph structure keeps its own plan and schedule (:mod:`~gs_lightning.scaling.graph_scales`):
   graphs that alternate (two losses with their own optimizers, a gradient penalty) replay their own.
-* On an **update** iteration (a structure's first, after a skipped step, when the gradients drifted a binade below the last update's or a weight gradient rose
-  above what the last update expected of it by more than its layer's margin, and at the latest every
+* On an **update** iteration (a structure's first, after a skipped step, when the gradients drifted
+  a binade below the last update's or a weight gradient rose above what the last update expected of
+  it by more than its layer's margin, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision turns a few statistics of the gradient at
   hand into its scale on the device, unread: the backward never synchronises, and ``step()`` reads
@@ -157,7 +158,8 @@ class GradientScaler:
 
     @property
     def recomputed_steps(self) -> int:
-        """Steps taken although a weight gradient overflowed: it was recomputed in fp32 (:mod:`~gs_lightning.scaling.recompute`)."""
+        """Steps taken although a weight gradient overflowed: it was recomputed in fp32
+        (:mod:`~gs_lightning.scaling.recompute`)."""
         return self._read.recomputed_steps
 
     @property
@@ -201,7 +203,8 @@ class GradientScaler:
 
     @property
     def compiled_modules(self) -> tuple[CompiledModule, ...]:
-        """The ``torch.compile``d modules of the attached models, which replay the scales inside their compiled graphs."""
+        """The ``torch.compile``d modules of the attached models, which replay the scales inside their compiled
+        graphs."""
         return tuple(self._backwards.compiled)
 
     def attach(self, model: nn.Module) -> None:
@@ -287,8 +290,9 @@ class GradientScaler:
         were at :meth:`unscale_`, if that was called): every ``.grad`` it holds is read (each one's
         largest magnitude, one fused kernel per device on a GPU), whoever wrote it and however
         (through ``.data`` or numpy too). Synchronises once, reading those with the drift statistic
-        of the iteration's backwards (twice where an overflowed weight gradient was recomputed). A skipped step leaves the weights untouched, restores the attached
-        models' buffers to their values before the iteration, and makes the next backward
+        of the iteration's backwards (twice where an overflowed weight gradient was recomputed). A
+        skipped step leaves the weights untouched, restores the attached models' buffers to their
+        values before the iteration, and makes the next backward
         recompute the scales, with the accumulated scale capped below the one that overflowed.
 
         Raises:
@@ -362,7 +366,8 @@ class GradientScaler:
         return current.drift.last if current is not None else DriftReading()
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state: counters, back-off and, per graph structure, every scale of its last update (plain containers)."""
+        """The scaler's state: counters, back-off and, per graph structure, every scale of its last update (plain
+        containers)."""
         backwards = self._backwards
         return {
             "recipe": self.recipe.state_dict(),
@@ -462,7 +467,8 @@ def _check_state(state: dict[str, Any]) -> None:
     missing = {"iteration", "skipped_steps", "backoff"} - state.keys()
     if missing or not {"graphs", "layers"} & state.keys():
         raise ValueError(
-            f"GradientScaler.load_state_dict: not a GradientScaler state (missing {sorted(missing or {'graphs'})}; got keys "
+            "GradientScaler.load_state_dict: not a GradientScaler state "
+            f"(missing {sorted(missing or {'graphs'})}; got keys "
             f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
             "GradientScaler fresh, it decides its scales on its first backward."
         )

@@ -94,7 +94,8 @@ class UpdateRun:
         return [self.graph.nodes[i].register_hook(partial(self._post, i)) for i in self._pass_through]
 
     def complete(self) -> None:
-        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and :attr:`slot_alpha`.
+        """After the backward: the scales the pass-through nodes forwarded, into :attr:`alpha_out` and
+        :attr:`slot_alpha`.
         Nothing is read: the scales and the decisions stay on the device until :meth:`read_in`."""
         if not self._every_node_tracked:
             for i in self._pass_through:
@@ -130,7 +131,8 @@ class UpdateRun:
         return self.decisions.layers
 
     def plan(self) -> ScalePlan:
-        """The decided scales, to replay on the iterations until the next update (left on the device until read: :meth:`ScalePlan.read_in`)."""
+        """The decided scales, to replay on the iterations until the next update (left on the device until read:
+        :meth:`ScalePlan.read_in`)."""
         return ScalePlan(
             tuple(self.graph.names),
             tuple(self.graph.edges),
@@ -194,7 +196,8 @@ class UpdateRun:
             node_type = self.graph.names[i]
             self._warn(
                 f"stats:{node_type}",
-                f"GradientScaler: could not compute a scale at {node_type} ({error!r}); its gradients pass through unscaled.",
+                f"GradientScaler: could not compute a scale at {node_type} ({error!r}); "
+                "its gradients pass through unscaled.",
             )
             return 0
 
@@ -220,7 +223,8 @@ class UpdateRun:
         return tuple(out)
 
     def _node_scale(self, i: int) -> Exponent:
-        """The scale node ``i``'s outgoing gradients carry (once it ran): decided in its pre-hook, or the one it received."""
+        """The scale node ``i``'s outgoing gradients carry (once it ran): decided in its pre-hook, or the one it
+        received."""
         alpha = self.alpha_out.get(i)
         if alpha is None:
             (slot,) = self.analysis.slots.get(i, (0,))  # nodes without a pre-hook have one slot

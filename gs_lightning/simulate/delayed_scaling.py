@@ -81,7 +81,8 @@ class DelayedScaling:
     def quantize(
         self, values: torch.Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype, block_dims: tuple[int, ...] = ()
     ) -> torch.Tensor:
-        """Scale, cast to ``fp8_dtype`` with saturation, unscale: the next tensor of this backward (``block_dims`` unused)."""
+        """Scale, cast to ``fp8_dtype`` with saturation, unscale: the next tensor of this backward (``block_dims``
+        unused)."""
         fp8_max = float_format(fp8_dtype).max
         if self._fp8_max is None:
             self._fp8_max = fp8_max

@@ -134,7 +134,8 @@ class MXBlockScaling:
     def quantize(
         self, values: torch.Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype, block_dims: tuple[int, ...]
     ) -> torch.Tensor:
-        """Cast ``values`` blockwise along ``block_dims`` (flattened in order) to ``fp8_dtype``; store as ``out_dtype``."""
+        """Cast ``values`` blockwise along ``block_dims`` (flattened in order) to ``fp8_dtype``; store as
+        ``out_dtype``."""
         if not block_dims:
             raise ValueError("MXBlockScaling: block_dims must name the reduction dimension(s), got ()")
         if values.numel() == 0:

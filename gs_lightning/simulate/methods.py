@@ -67,7 +67,8 @@ class FixedLossScale(NoScaling):
 
 
 class DynamicLossScale:
-    """``torch.amp.GradScaler``: halve the loss scale on overflow (skipping the step), grow it after a run of good steps.
+    """``torch.amp.GradScaler``: halve the loss scale on overflow (skipping the step), grow it after a run of good
+    steps.
 
     Args:
         init_scale: First loss scale (GradScaler's default 2^16).

@@ -213,9 +213,8 @@ def _whisper(width: int, scale: int, device: torch.device | str) -> tuple[nn.Mod
         decoder_start_token_id=0,
         pad_token_id=0,
     )
-    features = torch.randn(
-        _BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0)
-    )  # 2 × max_source_positions frames
+    # 2 × max_source_positions frames
+    features = torch.randn(_BATCH * scale, 16, 2 * _LENGTH, generator=torch.Generator().manual_seed(0))
     labels = _tokens(_BATCH * scale, _LENGTH // 4)
     return _language_model(
         WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels}, device
@@ -242,9 +241,8 @@ def _rnn(rnn: nn.RNNBase, scale: int, device: torch.device | str) -> tuple[nn.Mo
     generator = torch.Generator().manual_seed(0)
     batch = _RNN_BATCH * scale
     sequences = torch.randn(_RNN_LENGTH, batch, rnn.input_size, generator=generator).to(device)
-    lengths = torch.linspace(
-        _RNN_LENGTH, 3, batch
-    ).long()  # variable lengths, the longest first (on the CPU, as packing wants)
+    # variable lengths, the longest first (on the CPU, as packing wants)
+    lengths = torch.linspace(_RNN_LENGTH, 3, batch).long()
     labels = torch.randint(0, _NUM_CLASSES, (batch,), generator=generator).to(device)
     model = PackedRNNClassifier(rnn).to(device).train()
     return model, lambda: F.cross_entropy(model(sequences, lengths), labels)

@@ -107,9 +107,8 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         self.device = device
         self._modules: list[nn.Module] = []
         self._scaler: Scaler | None = None
-        self._checked_wrappers: set[int] = (
-            set()
-        )  # ids of the strategy-wrapped models refuse_unsupported_parallelism passed
+        # ids of the strategy-wrapped models refuse_unsupported_parallelism passed
+        self._checked_wrappers: set[int] = set()
 
     @property
     def scaler(self) -> Scaler:
@@ -218,9 +217,8 @@ class FSDPMixedPrecision(FP16MixedPrecision, *_FABRIC_FSDP_PRECISIONS):  # type:
 
     def __init__(self, device: str | None = None) -> None:
         super().__init__(device)
-        self._desired_input_dtype = (
-            torch.float32
-        )  # FSDPPrecision's dtype for tensor_init_context and module_init_context
+        # FSDPPrecision's dtype for tensor_init_context and module_init_context
+        self._desired_input_dtype = torch.float32
 
     @property
     def mixed_precision_config(self) -> Any:

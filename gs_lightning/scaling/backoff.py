@@ -79,9 +79,8 @@ class SkipBackoff:
         scales.layer_backoff.relax(run.alpha_out, backwards, interval)
         if self.cap is not None and scales.schedule.clean_interval(backwards, interval):
             largest = max(run.alpha_out.values(), default=0)
-            self.cap = (
-                None if largest < self.cap else self.cap + 1
-            )  # one bit per clean interval; gone once it no longer binds
+            # one bit per clean interval; gone once it no longer binds
+            self.cap = None if largest < self.cap else self.cap + 1
 
 
 def log2_floor(value: float | None) -> int | None:

@@ -197,9 +197,8 @@ class ScaledBackwards:
             prepared = pending.pop()
             pending += prepared.inner
             prepared.remove_hooks()
-            for j in (
-                prepared.leaves.deferred | prepared.leaves.shared_leaves
-            ):  # they had no .grad before; a partial, scaled one must not stay
+            # they had no .grad before; a partial, scaled one must not stay
+            for j in prepared.leaves.deferred | prepared.leaves.shared_leaves:
                 prepared.graph.nodes[j].variable.grad = None
 
     # --- before the backward -----------------------------------------------------------------
@@ -223,9 +222,8 @@ class ScaledBackwards:
                 prepared = self._prepare_compiled_replay(root, graph)
                 if prepared is not None:
                     return prepared
-            scales = self.graphs.of(
-                graph, self.new_drift(), self.recipe.max_graphs, keep_others=not self.compiled
-            )  # compiled modules replay one plan
+            # compiled modules replay one plan
+            scales = self.graphs.of(graph, self.new_drift(), self.recipe.max_graphs, keep_others=not self.compiled)
             reasons = scales.update_reasons(self.recipe.update_interval)
             update = bool(reasons)
         else:
@@ -396,9 +394,10 @@ class ScaledBackwards:
                 run is not None,
                 already,
             )
+            # not in the drift statistic, as when unscaled per edge
             unscale_and_measure(
                 [(j, graph.nodes[j].variable, alpha) for j, alpha in prepared.leaves.shared], None, False
-            )  # not in the drift statistic, as when unscaled per edge
+            )
         for j in analysis.leaves - prepared.leaves.exits:  # an inner graph's exits hand their gradient on
             variable = graph.nodes[j].variable
             self.written[id(variable)] = variable
@@ -426,9 +425,8 @@ class ScaledBackwards:
         """The update ``reasons`` asked for is done: its plan kept, its scales read with the step's, recorded."""
         self.update_iterations += 1
         plan = scales.plans[()] = run.plan()
-        scales.keep_update(
-            run, plan, partial(self.backoff.updated, run, scales, scales.schedule.backwards)
-        )  # once its scales are read
+        # once its scales are read
+        scales.keep_update(run, plan, partial(self.backoff.updated, run, scales, scales.schedule.backwards))
         self.updates.append(scales.schedule.updated(self.iteration, reasons))
 
 
@@ -455,9 +453,8 @@ def _unscale_captured(prepared: PreparedBackward) -> list:
             "GradientScaler: torch.autograd.grad (or backward(inputs=...)) through a torch.compile'd module is "
             "supported on update iterations only, whose forward runs eagerly; use backward() with a compiled model."
         )
-    handles = (
-        prepared.run.track_every_node() if prepared.run is not None else []
-    )  # before the hooks below, which read it
+    # before the hooks below, which read it
+    handles = prepared.run.track_every_node() if prepared.run is not None else []
     targets = {j for j in prepared.leaves.deferred | prepared.leaves.shared_leaves if runs[j] is None}
     for i in range(len(graph.nodes)):  # a non-leaf node that runs although nothing below it does is captured
         if i in analysis.leaves or not _will_execute(graph.nodes[i]):

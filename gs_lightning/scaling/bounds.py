@@ -78,9 +78,8 @@ class Settings:
 def expected_total(expected: float, lambda_max: float, margin_log2: float) -> int:
     """The highest accumulated scale that keeps a parameter gradient expected to reach ``expected``
     ``margin_log2`` binades (:attr:`ScalingRecipe.expected_maxima_margin_log2`) below ``lambda_max``."""
-    return (
-        math.ceil(math.log2(lambda_max / (expected * 2.0**margin_log2))) - 1
-    )  # host values, read by the step (expected > 0)
+    # host values, read by the step (expected > 0)
+    return math.ceil(math.log2(lambda_max / (expected * 2.0**margin_log2))) - 1
 
 
 class ScaleBounds:
@@ -215,11 +214,12 @@ class ScaleBounds:
         values = limits - _per_bound(tuple(b.limit.exact for b in bounds), recipe.replay_headroom_log2, device)
         upper = values.amin() if bounds else as_float64(math.inf, device)
         ceiling, cap = self._ceiling(i, alpha)
+        # each used twice
         lower_up, lower_finite, highest = (
             torch.ceil(lower),
             finite(lower),
             highest_below(upper, device),
-        )  # each used twice
+        )
         sufficient = sufficient_log2_scale(lower_up, lower_finite)
         beta = below_bounds(sufficient, highest, ceiling)  # choose_log2_scale, its first half kept for the spike room
         reason = (
@@ -228,9 +228,8 @@ class ScaleBounds:
             else torch.full((), rule_position(Limit.NONE), dtype=torch.int64, device=device)
         )
         if ceiling is not None:  # the cap holds beta where it meets it, unless the overflow bound is as low
-            cap = (
-                cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)
-            )  # which cap: found on the device
+            # which cap: found on the device
+            cap = cap if isinstance(cap, torch.Tensor) else constant(cap, device, reason.dtype)
             reason = torch.where((beta == ceiling) & (beta < highest), cap, reason)
         reason = torch.where(
             (beta >= lower_up) | ~(lower < math.inf), constant(rule_position(Limit.NONE), device, reason.dtype), reason
@@ -240,9 +239,8 @@ class ScaleBounds:
             and any(bound.limit.expected for bound in bounds)
             and s.lambda_lost < s.lambda_min
         ):
-            lost_lower = lower - math.log2(
-                s.lambda_min / s.lambda_lost
-            )  # both bounds are log2(λ / the same order statistic)
+            # both bounds are log2(λ / the same order statistic)
+            lost_lower = lower - math.log2(s.lambda_min / s.lambda_lost)
             roomy = (
                 values - _per_bound(tuple(b.limit.expected for b in bounds), recipe.spike_room_log2, device)
             ).amin()

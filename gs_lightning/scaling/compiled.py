@@ -317,9 +317,8 @@ class EagerPlan:
         self.version = version
         self.plan = plan
         self.analysis = analysis
-        self.structure = AutogradGraph(
-            [], graph.names, graph.edges, graph.in_counts
-        )  # no nodes: they die with the iteration
+        # no nodes: they die with the iteration
+        self.structure = AutogradGraph([], graph.names, graph.edges, graph.in_counts)
         self._factors: dict[frozenset[int], dict[int, tuple[tuple | None, tuple | None]]] = {}
         self._replayed: tuple[tuple, GraphAnalysis] | None = None
 
@@ -469,9 +468,8 @@ class CompiledModule:
             self.unmatched = True
             return graph.ones
         vector = cached[1] if cached is not None else torch.empty_like(graph.ones)
-        vector.copy_(
-            torch.tensor(factors, dtype=vector.dtype)
-        )  # in place: the compiled graph keeps reading this tensor
+        # in place: the compiled graph keeps reading this tensor
+        vector.copy_(torch.tensor(factors, dtype=vector.dtype))
         self._vectors[graph] = (eager.version, vector)
         return vector
 

@@ -127,9 +127,8 @@ class UnreadLayer:
         return LayerScale(self.name, self.kind, beta, total, math.nan, None, *bound), True
 
 
-ModelledRate = tuple[
-    Callable[..., float], tuple[torch.Tensor, ...]
-]  # rate(log2 scale, *statistics as read), its statistics
+# rate(log2 scale, *statistics as read), its statistics
+ModelledRate = tuple[Callable[..., float], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -269,9 +268,8 @@ class NodeDecisions:
             if op.weight_bound is not None and s.recipe.weight_grad_bounds
             else {}
         )
-        if (
-            not operands and self.analysis.gemms[i] and not weight_bounds
-        ):  # operands unreadable (two activations under checkpointing)
+        # operands unreadable (two activations under checkpointing)
+        if not operands and self.analysis.gemms[i] and not weight_bounds:
             return self.non_finite(i, "gemm", alpha)
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
@@ -321,9 +319,8 @@ class NodeDecisions:
         limits = overflow_max_log2_scale(
             torch.stack([*maxima.values(), *([] if measured is None else [measured])]), s.lambda_max
         )
-        if (
-            weight in maxima
-        ):  # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
+        # where the Cauchy–Schwarz bound keeps the scale from γ', the measured one (the last limit)
+        if weight in maxima:
             w, bounded = bounds.index(weight), limits[: len(bounds)]
             limit = bounded[w]
             binds = (limit < lower.clamp_min(0.0)) & (bounded.amin() == limit)

@@ -30,9 +30,8 @@ def unscale_and_check_(
     groups = _dense_groups(grads)
     for (device, _), tensors in groups.items():
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, _flag(flags, device), _inv_scale(inv_scale, device))
-    for (
-        grad
-    ) in grads:  # finite duplicates of an uncoalesced fp16 gradient may overflow once summed, as the optimizer will
+    # finite duplicates of an uncoalesced fp16 gradient may overflow once summed, as the optimizer will
+    for grad in grads:
         if grad is not None and grad.is_sparse and grad.dtype == torch.float16 and not grad.is_coalesced():
             torch._amp_foreach_non_finite_check_and_unscale_(
                 [grad.coalesce()._values()], _flag(flags, grad.device), _inv_scale(1.0, grad.device)

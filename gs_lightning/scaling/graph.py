@@ -118,9 +118,8 @@ def batch_norm_gain_operands(node: Node) -> tuple[torch.Tensor | None, torch.Ten
         weight = saved_tensor(node, "weight")  # None as well without an affine weight
         if weight is None:
             raw = getattr(node, "_raw_saved_weight", None)
-            if (
-                raw is not None and raw.unpack_hook is None and node._saved_weight is not None
-            ):  # a weight, unreadable now
+            # a weight, unreadable now
+            if raw is not None and raw.unpack_hook is None and node._saved_weight is not None:
                 return None
         return weight, invstd
 

@@ -58,9 +58,8 @@ class GraphScales:
         self._first_non_finite: str | None = None
         self._unread: tuple[FiniteFlags, list[UnreadRates]] | None = None  # what the last update left on the device
         self._undecided: set[int] = set()  # positions in _updated of layers that did not decide: no rates applied
-        self._runs: list[
-            tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]
-        ] = []  # updates whose scales are unread
+        # updates whose scales are unread
+        self._runs: list[tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]] = []
         self.measured_weights: dict[Path, frozenset[int]] = {}
         self.schedule = UpdateSchedule()
 
@@ -260,9 +259,8 @@ class GraphRegistry:
 def one_graph_state(state: dict[str, Any]) -> list[dict[str, Any]]:
     """A scaler's state saved before it kept one state per graph structure, as :meth:`GraphRegistry.state_dict`
     has it."""
-    plans = (
-        state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []
-    )  # saved before nested plans: one
+    # saved before nested plans: one
+    plans = state["plans"] if "plans" in state else [[[], state["plan"]]] if state.get("plan") else []
     root = next((plan for path, plan in plans if not path), None)
     if root is None:
         return []

@@ -194,9 +194,8 @@ class ScalePlan:
     decided_alpha_out: dict[int, Exponent]
     decided_slot_alpha: dict[Slot, Exponent]
     recomputable: frozenset[int] = frozenset()
-    settle: Callable[[], None] | None = field(
-        default=None, repr=False
-    )  # reads the update that decided it, until it did
+    # reads the update that decided it, until it did
+    settle: Callable[[], None] | None = field(default=None, repr=False)
     _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(
         default_factory=dict, repr=False
     )

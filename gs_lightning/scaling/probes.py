@@ -258,10 +258,11 @@ def _convolution_weight(node: Node, grad: torch.Tensor, elements: int) -> torch.
     The subset: output channels evenly spread (whole groups, for a grouped convolution), each
     summed over the whole batch, as the node sums it.
     """
+    # to fp32 once sliced
     inputs, weight = (
         _detached(saved_tensor(node, "input")),
         _detached(saved_tensor(node, "weight")),
-    )  # to fp32 once sliced
+    )
     if inputs is None or weight is None:
         return None
     groups, transposed = node._saved_groups, node._saved_transposed

@@ -152,9 +152,8 @@ class WeightGradRecompute:
 
     def __init__(self, lambda_max: float = math.inf) -> None:
         self.lambda_max = lambda_max  # of the format the GEMMs computed the weight gradients in
-        self._operands: dict[
-            int, tuple[dict[str, torch.Tensor], list[_Parameter]]
-        ] = {}  # GEMM -> its operands, parameters
+        # GEMM -> its operands, parameters
+        self._operands: dict[int, tuple[dict[str, torch.Tensor], list[_Parameter]]] = {}
         self._grads: dict[int, torch.Tensor] = {}  # GEMM -> the gradient it received, once it ran
         self._replayed: tuple[AutogradGraph, ScalePlan] | None = None
         # Per plan (by id, the plan kept to tell a reused id) and deferred leaves: the GEMMs to keep, with their

@@ -305,9 +305,8 @@ class GradientScaler:
             optimizer.step(*args, **kwargs)
             return True
         if self._steps.overflowed(optimizer, partial(self._non_finite, optimizer)):
-            if (
-                self._steps.skip()
-            ):  # the iteration's first: cap what overflowed, restore the buffers, stop a diverged run
+            # the iteration's first: cap what overflowed, restore the buffers, stop a diverged run
+            if self._steps.skip():
                 self._steps.check_diverged(self._backwards.skipped())
             return False
         optimizer.step(*args, **kwargs)

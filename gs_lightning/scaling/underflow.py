@@ -389,9 +389,8 @@ def _breakpoints(largest: int, rate: float, risk: float, device: torch.device) -
     k = torch.arange(1, largest + 1, dtype=torch.float64, device=device)
     low = k - 1.0  # P(Binomial(n, rate) ≤ k − 1) = 1 > risk for n ≤ k − 1
     high = torch.ceil((k + 10.0 * k.sqrt() + 30.0) / rate)  # far in the tail: the CDF is below any risk there
-    steps = math.ceil(
-        math.log2((largest + 10.0 * math.sqrt(largest) + 30.0) / rate + 1.0)
-    )  # halvings to width 1, for every k
+    # halvings to width 1, for every k
+    steps = math.ceil(math.log2((largest + 10.0 * math.sqrt(largest) + 30.0) / rate + 1.0))
     for start in range(0, largest, 1024):  # a bounded matrix of terms at a time
         rows = slice(start, min(start + 1024, largest))
         for _ in range(steps):

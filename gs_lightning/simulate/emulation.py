@@ -259,10 +259,11 @@ class emulate:  # a context manager, named like torch.autocast and torch.no_grad
         first = 1 if func in _BIAS_GEMMS else 0
         saved = _saved_storages(node)
         operands = list(_to_fp32(args))
+        # a GEMM reduces its first operand's last dim, its second's second-to-last
         for position, block_dim in (
             (first, -1),
             (first + 1, -2),
-        ):  # a GEMM reduces its first operand's last dim, its second's second-to-last
+        ):
             if args[position].untyped_storage().data_ptr() not in saved:
                 operands[position] = self._cast_grad(operands[position], (block_dim,), torch.float32)
         return func(*operands, **_to_fp32(kwargs)).to(self.dtype)

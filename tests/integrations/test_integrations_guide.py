@@ -44,9 +44,8 @@ def test_every_integration_has_runnable_code() -> None:
         assert line in code, line
 
 
-@pytest.mark.filterwarnings(
-    "ignore:'pin_memory' argument is set as true:UserWarning"
-)  # the Trainer's default, on a CPU
+# the Trainer's default, on a CPU
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
 @pytest.mark.parametrize("title", SECTIONS)
 def test_section_code_runs_and_scales(title: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -151,9 +151,8 @@ def test_need_update_accumulates_and_skips_the_overflowing_update() -> None:
         torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.filterwarnings(
-    "ignore:Using backward\\(\\) with create_graph=True:UserWarning"
-)  # PyTorch's, on any such backward
+# PyTorch's, on any such backward
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
 def test_create_graph_backward_steps_with_true_gradients() -> None:
     gs, ref = train("gs", batches=2, create_graph=True), train("ref", batches=2, create_graph=True)
     assert gs.stepped == ref.stepped == [0, 1]

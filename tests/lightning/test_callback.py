@@ -98,9 +98,8 @@ def test_between_updates_the_surprise_and_the_update_count_are_logged(tmp_path: 
     logged = [float(row["gs/surprise"]) for row in rows if row.get("gs/surprise")]
     assert logged and all(math.isfinite(v) for v in logged)
     updates = [float(row["gs/update_iterations"]) for row in rows if row.get("gs/update_iterations")]
-    assert (
-        updates == sorted(updates) and 3 <= updates[-1] == plugin.scaler.update_iterations <= 6
-    )  # every second backward, at least
+    # every second backward, at least
+    assert updates == sorted(updates) and 3 <= updates[-1] == plugin.scaler.update_iterations <= 6
 
 
 def test_history_continues_after_resume(tmp_path: Path) -> None:

@@ -260,9 +260,8 @@ def test_manual_optimization_with_two_optimizers(lightning_package: str) -> None
     torch.manual_seed(0)
     model, watch = on_package(TwoOptimizers, lightning_package)(), WeightWatch()
     plugin = GradientScalingPlugin(update_interval=2)
-    fit = trainer(
-        lightning_package, plugin, max_steps=8, callbacks=[watch]
-    )  # global_step counts both optimizers' steps
+    # global_step counts both optimizers' steps
+    fit = trainer(lightning_package, plugin, max_steps=8, callbacks=[watch])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(model, loader())

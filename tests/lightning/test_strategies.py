@@ -140,9 +140,8 @@ class ShardedClassifier(Classifier):
 
     def on_train_end(self) -> None:
         scaler = self.trainer.precision_plugin.scaler
-        params = [
-            p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.parameters()
-        ]  # DTensor shards, gathered
+        # DTensor shards, gathered
+        params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.parameters()]
         result = {
             "params": [p.detach().clone() for p in params],
             "skipped_steps": scaler.skipped_steps,

@@ -84,9 +84,8 @@ def test_ddp_measures_drift_and_updates_where_one_process_does(tmp_path: Path) -
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     model = _model()
     single = _train(model, *_batch(), GradientScaler(model, update_interval=100))
-    assert (
-        single["measured"] == 4 and len(single["updates"]) > 1
-    )  # the drift asked for updates between the scheduled ones
+    # the drift asked for updates between the scheduled ones
+    assert single["measured"] == 4 and len(single["updates"]) > 1
     for result in ranks:
         assert result["measured"] == 4  # every weight gradient read, though none was deferred
         assert result["updates"] == single["updates"]
@@ -122,9 +121,8 @@ def _fsdp2_rank(rank: int, port: int, out: Path) -> None:
     try:
         model = _bn_model()
         for block in list(model)[:2]:
-            fully_shard(
-                block
-            )  # resharded after the forward: the BatchNorm weights' storage is freed until the backward
+            # resharded after the forward: the BatchNorm weights' storage is freed until the backward
+            fully_shard(block)
         fully_shard(model)
         x, y = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank)), torch.arange(16) % 4
         with warnings.catch_warnings(record=True) as caught:
@@ -158,9 +156,8 @@ def test_fsdp2_with_batch_norm_in_resharded_blocks_trains_and_skips_what_the_uns
     package = str(Path(gs_lightning.__file__).parent)
     for rank in ranks:
         assert [(m, f) for m, f in rank["warnings"] if f.startswith(package) or "DTensor" in m] == []
-        assert rank["refused"].startswith(
-            "GradientScaler: parameter 2.bias is torch.float16"
-        )  # named, not "of shape (2,)"
+        # named, not "of shape (2,)"
+        assert rank["refused"].startswith("GradientScaler: parameter 2.bias is torch.float16")
 
 
 def test_ddp_with_an_fp16_compression_hook_is_refused_in_one_line(tmp_path: Path) -> None:

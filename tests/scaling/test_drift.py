@@ -347,18 +347,16 @@ def test_drift_is_measured_from_the_level_when_the_update_batch_was_above_it() -
     read = _reader(drift, 0)
     for value in (1.0, 1.2, 0.9, 1.1):
         read([value / 2, value])
-    assert (
-        read([1.0, 8.0], update=True).drift_log2 == 0.0
-    )  # a batch 2^3 above the level: the reference is the level, 1.1
+    # a batch 2^3 above the level: the reference is the level, 1.1
+    assert read([1.0, 8.0], update=True).drift_log2 == 0.0
     assert not read([0.5, 1.0]).drifted  # an ordinary batch: not 3 binades of drift
     assert not read([0.25, 0.5]).drifted  # one batch a binade below the level: not yet
     for _ in range(3):
         reading = read([0.25, 0.5])
     assert reading.drift_log2 == pytest.approx(math.log2(1.1 / 0.5))  # four: the level fell a binade, drift
     read([0.5, 1.0])
-    assert (
-        read([0.25, 0.5], update=True).drift_log2 == 0.0 and drift.reference[0][1] == 0.5
-    )  # a batch below its level: its own value
+    # a batch below its level: its own value
+    assert read([0.25, 0.5], update=True).drift_log2 == 0.0 and drift.reference[0][1] == 0.5
 
 
 def test_the_drift_reading_triggers_on_a_gradient_above_what_the_update_expected() -> None:

@@ -33,9 +33,8 @@ def test_overflow_bounds_name_the_tensor_and_rules_name_themselves() -> None:
     assert describe(Limit.INPUT_GRADIENT, 0) == "overflow of the gradient of input 0"
     assert describe(Limit.WEIGHT_GRADIENT) == "overflow of the weight gradient"
     assert describe(Limit.BACKOFF) == "back-off of this layer" and describe(Limit.NONE) == ""
-    assert all(
-        describe(limit).count("overflow of the") <= 1 for limit in Limit
-    )  # spike room read "overflow of the overflow of the"
+    # spike room read "overflow of the overflow of the"
+    assert all(describe(limit).count("overflow of the") <= 1 for limit in Limit)
     assert {limit for limit in Limit if limit.exact} == {Limit.INCOMING_GRADIENT, Limit.BIAS_GRADIENT, Limit.OUTPUT}
 
 

@@ -42,9 +42,8 @@ def test_edge_shift_brings_leaves_to_their_target_and_branches_to_their_scale() 
     leaf = leaf_edge[0]
     assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets()) == -5  # a parameter: its true gradient
     assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets(deferred=frozenset({leaf}))) == 0  # unscaled later
-    assert (
-        edge_shift(graph, leaf_edge, 5, {}, LeafTargets(exits=frozenset({leaf}), exit_alpha=2)) == -3
-    )  # handed on at 2^2
+    # handed on at 2^2
+    assert edge_shift(graph, leaf_edge, 5, {}, LeafTargets(exits=frozenset({leaf}), exit_alpha=2)) == -3
     assert edge_shift(graph, branch, 5, {branch: 3}, LeafTargets()) == -2
     assert edge_shift(graph, None, 5, {}, LeafTargets()) == 0
 
@@ -141,7 +140,6 @@ def test_a_weight_used_several_times_is_unscaled_once_on_a_replay_and_stays_exac
         scaler.backward(loss)  # a replay
     assert products.count < len(carried)
     assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
-    (got,) = torch.autograd.grad(
-        scaler.scale(_tied_loss(model)), [model.embed.weight]
-    )  # captured, not accumulated: true too
+    # captured, not accumulated: true too
+    (got,) = torch.autograd.grad(scaler.scale(_tied_loss(model)), [model.embed.weight])
     assert torch.equal(got, reference[0])

@@ -83,9 +83,8 @@ def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_t
         assert torch.isfinite(p.grad).all(), parameter_name
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()))
     spiked = model[0].weight.grad[:, :IGNORED]
-    assert (
-        float(spiked.abs().max()) * 2.0 ** scaler.layers()[-1].log2_total > torch.finfo(torch.float16).max
-    )  # it did overflow at that scale
+    # it did overflow at that scale
+    assert float(spiked.abs().max()) * 2.0 ** scaler.layers()[-1].log2_total > torch.finfo(torch.float16).max
     assert _step(scaler, model, optimizer, easy) and scaler.skipped_steps == 0
 
 
@@ -146,9 +145,8 @@ def test_recomputed_steps_are_saved_and_restored() -> None:
     assert _step(restored, model, optimizer, easy) and restored.recomputed_steps == 1
 
 
-@pytest.mark.filterwarnings(
-    "ignore:GradientScaler. could not compute a scale:RuntimeWarning"
-)  # the update's probe reads it first
+# the update's probe reads it first
+@pytest.mark.filterwarnings("ignore:GradientScaler. could not compute a scale:RuntimeWarning")
 def test_a_saved_operand_modified_in_place_fails_in_autograd_not_in_the_replays_keeping() -> None:
     """The replay takes the operands before the backward; one that user code changed in place is not kept, and the
     backward raises autograd's own error, as it would without the scaler."""

@@ -266,9 +266,8 @@ def test_state_dict_round_trip_reuses_scales(case: str) -> None:
         state = scaler.state_dict()
         restored = GradientScaler(model, update_interval=10)
         restored.load_state_dict(state)
-        assert (
-            restored.scales() == scaler.scales() and restored.iteration == restored.update_iterations == 1
-        )  # inner graphs' runs are part of it
+        # inner graphs' runs are part of it
+        assert restored.scales() == scaler.scales() and restored.iteration == restored.update_iterations == 1
         assert {path: plan.alpha_out for path, plan in restored.graphs[-1].plans.items()} == {
             p: q.alpha_out for p, q in scaler.graphs[-1].plans.items()
         }

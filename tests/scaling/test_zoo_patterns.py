@@ -156,9 +156,8 @@ def test_torchvision_roi_ops_pass_scales_through_and_deform_conv2d_is_a_gemm() -
     kinds = {layer.name: layer for layer in scaler.layers()}
     assert not any(layer.kind == "opaque" for layer in kinds.values())
     deform = kinds["deform"]
-    assert (
-        deform.kind == "gemm" and deform.log2_scale > 0 and deform.underflow_rate == deform.underflow_rate
-    )  # probed: a rate
+    # probed: a rate
+    assert deform.kind == "gemm" and deform.log2_scale > 0 and deform.underflow_rate == deform.underflow_rate
     assert {"offset", "mask"} <= kinds.keys()  # scales reach the layers below the RoI ops and the deformable conv
 
 
@@ -256,9 +255,8 @@ def test_a_weight_reused_three_times_under_autocast_does_not_overflow_its_sum() 
     scaler = GradientScaler(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler.backward(_fp16_loss(model, inputs))
-    assert {"shared", "shared#2", "shared#3"} <= {
-        layer.name for layer in scaler.layers()
-    }  # three decisions, one weight
+    # three decisions, one weight
+    assert {"shared", "shared#2", "shared#3"} <= {layer.name for layer in scaler.layers()}
     assert scaler.step(optimizer) and scaler.skipped_steps == 0
     assert all(torch.isfinite(g).all() for g in _grads(model).values())
 

@@ -17,6 +17,7 @@ The dataset is generated once before the timed runs. Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import resource
@@ -38,6 +39,14 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
+
+
+def _version(package: str) -> str:
+    """An installed package's version (the demo's numbers and times depend on torch's and Lightning's)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _children_cpu_seconds() -> float:
@@ -82,7 +91,10 @@ def main() -> None:
                 wall, cpu = times[leg][-1]
                 print(f"round {round_index}: {leg:<14} {wall:7.1f} s wall {cpu:7.1f} s CPU", flush=True)
 
-    print(f"\nCPU: {cpu_model()}, {os.cpu_count()} logical cores; {time.strftime('%Y-%m-%d')}")
+    print(
+        f"\nCPU: {cpu_model()}, {os.cpu_count()} logical cores; {time.strftime('%Y-%m-%d')}; Python "
+        f"{platform.python_version()}, torch {_version('torch')}, Lightning {_version('lightning')}"
+    )
     for leg, runs in times.items():
         walls, cpus = zip(*runs)
         print(

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_drift import self_labelling_run
 from test_opaque import _loss, make_model
 from test_zoo_patterns import BranchesAfterBatchNorm, ReusedLinear, _fp16_loss
 from torch import nn
@@ -302,33 +303,8 @@ def test_gain_bounds_leave_room_for_a_batch_norm_after_a_branch_sum() -> None:
 
 
 def test_kept_downstream_cap_keeps_a_cast_from_overflowing_what_its_layer_scales_down() -> None:
-    """test_drift's classifier predicting its own labels: without the cap its cast overflows at step 18."""
-
-    def skipped(**fields: object) -> list[int]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-        with torch.no_grad():
-            model[2].weight.mul_(40.0)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        scaler = GradientScaler(model, update_interval=4, **fields)
-        x = torch.randn(64, 64)
-        with torch.no_grad():
-            predicted = model(x).argmax(1)
-        lost = []
-        for step in range(24):
-            labels = predicted.clone()
-            if step in (3, 11, 18):
-                labels[0] = (labels[0] + 1) % 8
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits = model(x)
-            scaler.backward(F.cross_entropy(logits.float(), labels) * (4.0 if step == 18 else 1.0))
-            if not scaler.step(optimizer):
-                lost.append(step)
-            scaler.update()
-        return lost
-
-    assert skipped() == [] and skipped(kept_downstream_cap=False) == [18]
+    """test_drift's self-labelling classifier: without the cap its cast overflows at step 18."""
+    assert self_labelling_run()[0] == [] and self_labelling_run(kept_downstream_cap=False)[0] == [18]
 
 
 def test_opaque_margin_is_what_an_opaque_region_keeps_below_its_overflow() -> None:

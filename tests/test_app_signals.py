@@ -20,7 +20,7 @@ from conftest import Classifier, loader
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors import signal_connector
-from test_app import ROOT, _demo_like, _env, _weights
+from test_app import ROOT, _demo_like, _env, _tiny_demo, _weights
 
 from gs_lightning.app import SIGTERM_EXIT_STATUS, run
 from gs_lightning.lightning.callback import InterruptCheckpoint
@@ -68,25 +68,12 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_ends_as_an_uninte
     assert resumed["train/loss"] == straight["train/loss"]
 
 
-def _tiny_demo(steps: int) -> list[str]:
-    return [
-        "data.root=${paths.cache_dir}/camvid",
-        "++data.synthetic={n_train: 4, n_val: 2, n_test: 2, size: [24, 32], seed: 0}",
-        "data.batch_size=2",
-        "model.width=4",
-        f"trainer.max_steps={steps}",
-        "trainer.accelerator=cpu",
-        "++trainer.enable_progress_bar=false",
-        "test=false",
-    ]
-
-
 def test_sigterm_to_a_real_run_exits_143_with_a_checkpoint_and_a_resume_line_that_works(tmp_path: Path) -> None:
     """``python train.py`` with 2 DataLoader workers, its process group sent SIGTERM (as SLURM and
     ``timeout`` send it: to the workers too) once its first epoch's checkpoint is written: it exits
     143, having saved interrupted.ckpt at the step it says it stopped at, and the printed resume
     command (with a limit 2 steps further) resumes from that checkpoint and trains those 2 steps."""
-    args = [*_tiny_demo(100000), "data.num_workers=2"]
+    args = [*_tiny_demo(100000), "++trainer.enable_progress_bar=false", "test=false", "data.num_workers=2"]
     log = tmp_path / "stopped.out"
     with log.open("w") as out:  # a file, not a pipe: a full pipe would block the run
         process = subprocess.Popen(

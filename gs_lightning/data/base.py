@@ -117,7 +117,7 @@ class ImageDataModule(L.LightningDataModule):
         dataset = self.dataset(split)
         train = split == "train"
         sampler = EpochShuffleSampler(dataset) if train else None
-        return DataLoader(
+        return JobDataLoader(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -143,15 +143,37 @@ class ImageDataModule(L.LightningDataModule):
         return self._loader("test")
 
 
-def _worker_init(worker_id: int) -> None:
-    """A DataLoader worker leaves SIGTERM to the main process, and is seeded as Lightning seeds workers.
+class JobDataLoader(DataLoader):
+    """A ``DataLoader`` whose workers leave SIGTERM to the main process from their first instruction.
 
     SLURM and ``timeout`` send SIGTERM to every process of the job; a worker it ended (torch's
     workers exit on a SIGTERM that is not their parent's) would end the run with a traceback before
-    Lightning, in the main process, finishes the batch and saves the run. The main process still
-    ends its workers. Lightning adds its own ``worker_init_fn`` only where there is none, so this one
-    calls it (``seed_everything(workers=True)``, as the app runs, sets ``PL_SEED_WORKERS``).
+    Lightning, in the main process, finishes the batch and saves the run. The workers ignore it
+    (:func:`_worker_init`), but a signal that arrived while they started, before that line ran,
+    still ended one (1 run in 8 of ``tests/test_app_signals.py``'s real run, where a new epoch's
+    workers started). So they start with SIGTERM blocked, which a process inherits: the main process
+    blocks it while it starts them and unblocks it after, when a SIGTERM that came meanwhile reaches
+    it (and Lightning); each worker ignores it, then unblocks it. The main process still ends its
+    workers.
+    """
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0 or not hasattr(signal, "pthread_sigmask"):  # no workers, or not POSIX
+            return super()._get_iterator()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _worker_init(worker_id: int) -> None:
+    """A DataLoader worker leaves SIGTERM to the main process (:class:`JobDataLoader`), and is seeded as
+    Lightning seeds workers: Lightning adds its own ``worker_init_fn`` only where there is none, so this
+    one calls it (``seed_everything(workers=True)``, as the app runs, sets ``PL_SEED_WORKERS``).
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if int(os.environ.get("PL_SEED_WORKERS", 0)):
         pl_worker_init_function(worker_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import os
 import signal
+import threading
 from collections.abc import Callable, Mapping, Sized
 from pathlib import Path
 from typing import Any
@@ -144,17 +145,16 @@ class ImageDataModule(L.LightningDataModule):
 
 
 class JobDataLoader(DataLoader):
-    """A ``DataLoader`` whose workers leave SIGTERM to the main process from their first instruction.
+    """A ``DataLoader`` whose workers leave a SIGTERM sent to the whole job to the main process.
 
-    SLURM and ``timeout`` send SIGTERM to every process of the job; a worker it ended (torch's
-    workers exit on a SIGTERM that is not their parent's) would end the run with a traceback before
-    Lightning, in the main process, finishes the batch and saves the run. The workers ignore it
-    (:func:`_worker_init`), but a signal that arrived while they started, before that line ran,
-    still ended one (1 run in 8 of ``tests/test_app_signals.py``'s real run, where a new epoch's
-    workers started). So they start with SIGTERM blocked, which a process inherits: the main process
-    blocks it while it starts them and unblocks it after, when a SIGTERM that came meanwhile reaches
-    it (and Lightning); each worker ignores it, then unblocks it. The main process still ends its
-    workers.
+    SLURM and ``timeout`` send SIGTERM to every process of the job. A worker that died of it would
+    end the run with a traceback ("DataLoader worker ... killed by signal") before Lightning, in the
+    main process, finishes the batch and saves the run. So workers start with SIGTERM blocked (the
+    main process blocks it while it starts them, and they inherit the mask; it unblocks it after,
+    when a SIGTERM that came meanwhile reaches it and Lightning); in each worker a thread takes every
+    SIGTERM (:func:`_worker_init`): its parent's (``terminate()``, as torch and multiprocessing end a
+    worker that outlived its shutdown) ends the worker as before, anyone else's is the parent's to
+    act on. Ignoring SIGTERM outright left workers that their parent's exit waited for forever.
     """
 
     def _get_iterator(self) -> Any:
@@ -168,12 +168,22 @@ class JobDataLoader(DataLoader):
 
 
 def _worker_init(worker_id: int) -> None:
-    """A DataLoader worker leaves SIGTERM to the main process (:class:`JobDataLoader`), and is seeded as
+    """A DataLoader worker ends on its parent's SIGTERM only (:class:`JobDataLoader`), and is seeded as
     Lightning seeds workers: Lightning adds its own ``worker_init_fn`` only where there is none, so this
     one calls it (``seed_everything(workers=True)``, as the app runs, sets ``PL_SEED_WORKERS``).
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # already, where JobDataLoader started it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, which fork copied
+        parent = os.getppid()
+        threading.Thread(target=_end_on_sigterm_from, args=(parent,), name="sigterm", daemon=True).start()
     if int(os.environ.get("PL_SEED_WORKERS", 0)):
         pl_worker_init_function(worker_id)
+
+
+def _end_on_sigterm_from(parent: int) -> None:
+    """Take each SIGTERM the worker receives (blocked in all its threads); on ``parent``'s, die of it."""
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # this thread alone: the default action ends it
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -12,8 +12,6 @@ import time
 
 import pytest
 
-from gs_lightning.data.base import JobDataLoader, _worker_init
-
 pytestmark = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
 
 # Starts a loader's workers over and over for 3 s, counting the SIGTERMs its main process receives.
@@ -73,20 +71,28 @@ def test_a_plain_loader_loses_a_worker_to_the_same_signals() -> None:
     assert run.returncode != 0 and "killed by signal: Terminated" in run.stderr
 
 
-def test_workers_ignore_sigterm_and_the_main_process_keeps_its_mask() -> None:
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    loader = JobDataLoader(_WorkerSignals(), batch_size=1, num_workers=2, worker_init_fn=_worker_init, collate_fn=list)
-    seen = [item for batch in loader for item in batch]
-    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
-    assert seen and all(ignored and not blocked for ignored, blocked in seen)
+def test_the_parents_sigterm_still_ends_a_worker_so_its_exit_does_not_wait_forever() -> None:
+    """A process that exits with its workers still running (a loader's iterator alive at exit) has
+    multiprocessing ``terminate()`` them and wait: a worker that ignored SIGTERM outright kept that exit
+    waiting forever. The parent's SIGTERM still ends it."""
+    script = textwrap.dedent(
+        """
+        import signal
+        from gs_lightning.data.base import JobDataLoader, _worker_init
 
-
-class _WorkerSignals:
-    """Each item: (SIGTERM ignored, SIGTERM blocked) in the process that loads it."""
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, index: int) -> tuple[bool, bool]:
-        ignored = signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-        return ignored, signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        loader = JobDataLoader(list(range(8)), batch_size=1, num_workers=2, worker_init_fn=_worker_init)
+        iterator = iter(loader)
+        next(iterator)
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before, "the main process keeps its mask"
+        print("ok", flush=True)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0 and run.stdout == "ok\n", run.stderr[-2000:]

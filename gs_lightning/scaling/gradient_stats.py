@@ -83,12 +83,25 @@ class DeviceRead:
     def read(self) -> dict[Hashable, list[float]]:
         """Every key's values, in one synchronisation; float64 keeps integer counts exact.
 
-        Synchronises with the device (one ``tolist``), once, where anything was put.
+        Synchronises with the device (one ``tolist``), once, where anything was put. The 0-dim tensors
+        (most of an update's: one per decision) go in one ``stack``, without a view each.
         """
-        flat = [t.reshape(-1) for tensors in self._parts.values() for t in tensors]
-        values = torch.cat([t.to(flat[0].device, torch.float64) for t in flat]).tolist() if flat else []  # the one sync
-        by_key, position = {}, 0
-        for key, tensors in self._parts.items():
-            size = sum(t.numel() for t in tensors)
-            by_key[key], position = values[position : position + size], position + size
+        tensors = [t for part in self._parts.values() for t in part]
+        scalars = [t for t in tensors if t.dim() == 0]
+        vectors = [t.reshape(-1) for t in tensors if t.dim() != 0]
+        if not tensors:
+            return {key: [] for key in self._parts}
+        device = tensors[0].device
+        pieces = [torch.stack([t.to(device, torch.float64) for t in scalars])] if scalars else []
+        values = torch.cat(pieces + [t.to(device, torch.float64) for t in vectors]).tolist()  # the one sync
+        scalar_values, vector_values = iter(values[: len(scalars)]), iter(values[len(scalars) :])
+        by_key = {}
+        for key, part in self._parts.items():
+            by_key[key] = [
+                value
+                for t in part
+                for value in (
+                    [next(scalar_values)] if t.dim() == 0 else [next(vector_values) for _ in range(t.numel())]
+                )
+            ]
         return by_key

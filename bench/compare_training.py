@@ -1,7 +1,9 @@
 """GS beside every baseline, trained on small versions of the paper's three experiments (issue 11).
 
 Trains each (task, method, seed) from the same initial weights on the same batches, for a fixed
-number of steps, under CPU emulation of fp16 (and of fp8 gradients): ``gs_lightning.simulate``.
+number of steps, under CPU emulation of fp16 (and of fp8 gradients): ``gs_lightning.simulate``. The
+methods of one (task, seed) train in lockstep (a step of each in turn, each timed on its own), so that a
+method's time over the dynamic loss scale's holds on a shared machine.
 Methods, in three settings:
 
 * fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
@@ -23,7 +25,8 @@ tenth of the steps, skipped steps, the mean underflow of the gradients the emula
 every ``--underflow-every``-th), beside it the per-tensor oracle (the least underflow any
 per-tensor power-of-two scale without overflow gives the same tensors, in the same format: a floor
 for every per-tensor power-of-two method, not for block scales nor for non-power-of-two scales),
-and wall time per run; it plots the training-loss curves (mean over seeds) per task.
+and wall time per run, with its ratio to the dynamic loss scale's of the same gradient format (stepped in
+lockstep with it; mean over seeds); it plots the training-loss curves (mean over seeds) per task.
 
     python bench/compare_training.py --quick            # every method, tiny, < 3 min
     python bench/compare_training.py --tasks segnet --json segnet.json   # one task's runs
@@ -189,6 +192,96 @@ class Run:
     label: str | None = None  # the method's name in the table (Method.label)
     grad_rounding: str | None = None  # emulated: "output" (GEMM outputs cast) or "entering" (∇Y cast); else None
     recomputed_steps: int | None = None  # GS: steps taken after recomputing an overflowed weight gradient in fp32
+    lockstep: str | None = None  # the runs stepped in turn with it share this id (train_interleaved)
+
+
+class Training:
+    """One (task, method, seed) run, a step at a time: :func:`train` runs one alone, :func:`train_interleaved` several
+    in lockstep. Each step is timed on its own, so that methods stepped in turn are timed side by side.
+
+    ``meter`` replaces the default :class:`UnderflowMeter` (e.g. one that also groups by layer);
+    ``on_step(step, trainer)`` runs after every optimizer step (e.g. to record loss scales).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        method: Method,
+        seed: int,
+        underflow_every: int,
+        *,
+        meter: UnderflowMeter | None = None,
+        on_step: Callable[[int, Any], None] | None = None,
+    ) -> None:
+        self.task, self.method, self.seed = task, method, seed
+        self.underflow_every, self.on_step = underflow_every, on_step
+        self.model = task.build(seed)
+        self.model.train()
+        self.optimizer = task.make_optimizer(self.model)
+        self.trainer = method.make(self.model)
+        self.meter = meter if meter is not None else UnderflowMeter(oracle_format=method.grad_dtype or method.autocast)
+        self.emulation = None
+        if method.emulated:
+            self.emulation = emulate(
+                method.autocast,
+                method.grad_dtype,
+                grad_scaling=getattr(self.trainer, "grad_scaling", None),
+                grad_rounding=method.grad_rounding,
+            )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(len(task.train[0]), generator=self.generator)
+        self.position, self.losses, self.underflow, self.oracle = 0, [], [], []
+        self.seconds = 0.0  # the training steps' wall time (evaluation excluded)
+
+    def step(self, step: int) -> None:
+        """Train on the next batch."""
+        start = time.perf_counter()
+        task, method, emulation = self.task, self.method, self.emulation
+        if self.position + task.batch_size > len(self.order):
+            self.order, self.position = torch.randperm(len(self.order), generator=self.generator), 0
+        images, targets = task.batch(self.order[self.position : self.position + task.batch_size])
+        self.position += task.batch_size
+        sample = emulation is not None and step % self.underflow_every == 0
+        if emulation is not None:
+            emulation.underflow = self.meter if sample else None
+        self.optimizer.zero_grad(set_to_none=True)
+        with emulation if emulation is not None else nullcontext():
+            with torch.autocast("cpu", dtype=method.autocast or torch.float32, enabled=method.autocast is not None):
+                loss = task.loss(self.model, images, targets)
+            self.trainer.backward(loss)
+        self.trainer.step(self.optimizer)
+        if self.on_step is not None:
+            self.on_step(step, self.trainer)
+        self.losses.append(loss.item())
+        if sample:
+            fractions, oracle_fractions = self.meter.collect_with_oracle()
+            self.underflow.append(statistics.fmean(fractions) if fractions else 0.0)
+            if oracle_fractions:
+                self.oracle.append(statistics.fmean(oracle_fractions))
+        self.seconds += time.perf_counter() - start
+
+    def result(self, lockstep: str | None = None) -> Run:
+        """Evaluate in fp32; the run's results (``lockstep``: the id of the runs it was stepped in turn with)."""
+        self.model.eval()
+        trainer, method = self.trainer, self.method
+        return Run(
+            self.task.name,
+            method.key,
+            self.seed,
+            self.task.metric_name,
+            self.task.evaluate(self.model),
+            trainer.skipped_steps,
+            statistics.fmean(self.underflow) if self.underflow else None,
+            self.seconds,
+            self.losses,
+            getattr(trainer, "update_iterations", None),
+            statistics.fmean(self.oracle) if self.oracle else None,
+            method.grads,
+            method.label,
+            method.grad_rounding if method.emulated else None,
+            getattr(trainer, "recomputed_steps", None),
+            lockstep,
+        )
 
 
 def train(
@@ -201,71 +294,46 @@ def train(
     meter: UnderflowMeter | None = None,
     on_step: Callable[[int, Any], None] | None = None,
 ) -> Run:
-    """Train ``task`` with ``method`` from seed ``seed`` for ``steps`` steps; evaluate in fp32.
-
-    ``meter`` replaces the default :class:`UnderflowMeter` (e.g. one that also groups by layer);
-    ``on_step(step, trainer)`` runs after every optimizer step (e.g. to record loss scales).
-    """
-    model = task.build(seed)
-    model.train()
-    optimizer = task.make_optimizer(model)
-    trainer = method.make(model)
-    meter = meter if meter is not None else UnderflowMeter(oracle_format=method.grad_dtype or method.autocast)
-    emulation = None
-    if method.emulated:
-        emulation = emulate(
-            method.autocast,
-            method.grad_dtype,
-            grad_scaling=getattr(trainer, "grad_scaling", None),
-            grad_rounding=method.grad_rounding,
-        )
-    generator = torch.Generator().manual_seed(seed)
-    n = len(task.train[0])
-    order = torch.randperm(n, generator=generator)
-    position, losses, underflow, oracle = 0, [], [], []
-    start = time.perf_counter()
+    """Train ``task`` with ``method`` from seed ``seed`` for ``steps`` steps; evaluate in fp32 (:class:`Training`)."""
+    training = Training(task, method, seed, underflow_every, meter=meter, on_step=on_step)
     for step in range(steps):
-        if position + task.batch_size > n:
-            order, position = torch.randperm(n, generator=generator), 0
-        images, targets = task.batch(order[position : position + task.batch_size])
-        position += task.batch_size
-        sample = emulation is not None and step % underflow_every == 0
-        if emulation is not None:
-            emulation.underflow = meter if sample else None
-        optimizer.zero_grad(set_to_none=True)
-        with emulation if emulation is not None else nullcontext():
-            with torch.autocast("cpu", dtype=method.autocast or torch.float32, enabled=method.autocast is not None):
-                loss = task.loss(model, images, targets)
-            trainer.backward(loss)
-        trainer.step(optimizer)
-        if on_step is not None:
-            on_step(step, trainer)
-        losses.append(loss.item())
-        if sample:
-            fractions, oracle_fractions = meter.collect_with_oracle()
-            underflow.append(statistics.fmean(fractions) if fractions else 0.0)
-            if oracle_fractions:
-                oracle.append(statistics.fmean(oracle_fractions))
-    seconds = time.perf_counter() - start
-    model.eval()
-    metric = task.evaluate(model)
-    return Run(
-        task.name,
-        method.key,
-        seed,
-        task.metric_name,
-        metric,
-        trainer.skipped_steps,
-        statistics.fmean(underflow) if underflow else None,
-        seconds,
-        losses,
-        getattr(trainer, "update_iterations", None),
-        statistics.fmean(oracle) if oracle else None,
-        method.grads,
-        method.label,
-        method.grad_rounding if method.emulated else None,
-        getattr(trainer, "recomputed_steps", None),
-    )
+        training.step(step)
+    return training.result()
+
+
+def train_interleaved(
+    task: Task,
+    methods: list[Method],
+    seed: int,
+    steps: int,
+    underflow_every: int,
+    meters: list[UnderflowMeter | None] | None = None,
+) -> list[Run]:
+    """Train ``task`` with every one of ``methods`` from seed ``seed``, in lockstep: step ``t`` of each method in
+    turn, then step ``t + 1``. Each method's time is its own steps', taken between the others' under the same
+    load, so their ratios hold on a shared machine where separate runs' times do not (:func:`time_ratios`)."""
+    meters = meters or [None] * len(methods)
+    trainings = [Training(task, m, seed, underflow_every, meter=meter) for m, meter in zip(methods, meters)]
+    for step in range(steps):
+        for training in trainings:
+            training.step(step)
+    lockstep = f"{task.name}/{seed}/{time.time():.0f}"
+    return [training.result(lockstep) for training in trainings]
+
+
+def time_ratios(runs: list[Run], baseline: str = "dynamic loss scale") -> dict[tuple[str, str, str], list[float]]:
+    """(task, gradient format, method) -> each seed's time over the ``baseline`` method's (by label) in the same
+    gradient format, where the two were stepped in lockstep (:func:`train_interleaved`)."""
+    base = {
+        (r.task, r.grads, r.lockstep): r.seconds
+        for r in runs
+        if r.label == baseline and r.lockstep is not None and r.seconds > 0
+    }
+    ratios: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for r in runs:
+        if r.lockstep is not None and (r.task, r.grads, r.lockstep) in base:
+            ratios[r.task, r.grads, r.method].append(r.seconds / base[r.task, r.grads, r.lockstep])
+    return ratios
 
 
 class TensorUnderflowMeter(UnderflowMeter):
@@ -406,9 +474,10 @@ def table(runs: list[Run]) -> str:
     metric_of = {r.task: r.metric_name for r in runs}
     lines = [
         "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GS recomputed steps "
-        "| gradient underflow | per-tensor oracle | GS update iterations | s / run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gradient underflow | per-tensor oracle | GS update iterations | s / run | s ÷ dynamic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ratios = time_ratios(runs)
     for task in dict.fromkeys(r.task for r in runs):
         for key in dict.fromkeys(r.method for r in runs if r.task == task):
             rs = [r for r in runs if r.task == task and r.method == key]
@@ -424,9 +493,17 @@ def table(runs: list[Run]) -> str:
                 f"| {f'{statistics.fmean(recomputed):.1f}' if recomputed else '—'} "
                 f"| {_percent(under)} | {_percent(oracle)} "
                 f"| {f'{statistics.fmean(updates):.1f}' if updates else '—'} "
-                f"| {statistics.fmean(r.seconds for r in rs):.1f} |"
+                f"| {statistics.fmean(r.seconds for r in rs):.1f} "
+                f"| {_ratio(ratios.get((task, method.grads, key), []))} |"
             )
     return "\n".join(lines)
+
+
+def _ratio(values: list[float]) -> str:
+    """Mean of per-seed time ratios (and their range), "—" if none was measured in lockstep."""
+    if not values:
+        return "—"
+    return f"{statistics.fmean(values):.2f}" + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
 
 
 def _percent(values: list[float]) -> str:
@@ -569,15 +646,21 @@ def main(argv: list[str] | None = None) -> list[Run]:
     total = time.perf_counter()
     for task in tasks:
         for seed in range(seeds):  # seed-major: an interrupted table still has every method
-            for method in methods:
-                meter = None
-                if args.underflow_by_tensor and method.emulated:
-                    shapes = {tuple(p.shape) for p in task.build(seed).parameters()}
-                    meter = TensorUnderflowMeter(method.grad_dtype or method.autocast, shapes, method.grad_rounding)
-                run = train(task, method, seed, steps, args.underflow_every, meter=meter)
-                runs.append(run)
+            meters = [
+                TensorUnderflowMeter(
+                    method.grad_dtype or method.autocast,
+                    {tuple(p.shape) for p in task.build(seed).parameters()},
+                    method.grad_rounding,
+                )
+                if args.underflow_by_tensor and method.emulated
+                else None
+                for method in methods
+            ]
+            lockstep = train_interleaved(task, methods, seed, steps, args.underflow_every, meters)
+            runs += lockstep
+            for run, meter in zip(lockstep, meters):
                 print(
-                    f"{task.name:7s} {method.key:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
+                    f"{task.name:7s} {run.method:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
                     f"skipped {run.skipped_steps}, underflow {_or_nan(run.underflow):.4f}"
                     f" (oracle {_or_nan(run.oracle_underflow):.4f}), "
                     f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
@@ -590,11 +673,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
                         + meter.worst(args.underflow_by_tensor),
                         flush=True,
                     )
-                # after every run, so that an interrupted table keeps what it has
-                if args.json is not None:
-                    args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
-                if args.merge is not None:
-                    args.merge.write_text(json.dumps([asdict(r) for r in merged(earlier, runs)], indent=1))
+            # after every seed, so that an interrupted table keeps what it has
+            if args.json is not None:
+                args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+            if args.merge is not None:
+                args.merge.write_text(json.dumps([asdict(r) for r in merged(earlier, runs)], indent=1))
     print(f"\n{len(runs)} runs, {steps} steps each, {seeds} seed(s), {time.perf_counter() - total:.0f} s in all\n")
     if args.merge is not None:
         print(f"merged into {args.merge}:\n")

@@ -58,7 +58,9 @@ class GradientScalingCallback(Callback):
       ``gs/update/skipped_step``, ``gs/update/drift``, ...),
 
     * ``gs/total/<layer>``: log2 of the accumulated scale its outgoing gradient carries (its own
-      scale times those of every layer after it in the forward pass),
+      scale times those of every layer after it in the forward pass, raised where its weight
+      gradients' level fell since the update), and ``gs/raised/<layer>`` by how many binades
+      (:meth:`GradientScaler.raised <gs_lightning.scaling.GradientScaler.raised>`), per GEMM,
 
     and keeps the scales in :attr:`history` (``{step: {layer: log2 scale}}``) and the accumulated
     ones in :attr:`totals`, both saved in checkpoints. When training ends it writes to the run's log
@@ -271,10 +273,14 @@ class GradientScalingCallback(Callback):
         layers = scaler.layers()
         if not layers:  # no update has run yet: nothing chosen
             return
+        raised = scaler.raised()
         self.history[step] = {layer.name: float(layer.log2_scale) for layer in layers}
-        self.totals[step] = {layer.name: float(layer.log2_total) for layer in layers}
+        self.totals[step] = {layer.name: float(layer.log2_total + raised.get(layer.name, 0)) for layer in layers}
         metrics = {f"gs/scale/{layer.name}": float(layer.log2_scale) for layer in layers}
-        metrics.update({f"gs/total/{layer.name}": float(layer.log2_total) for layer in layers})
+        metrics.update({f"gs/total/{name}": total for name, total in self.totals[step].items()})
+        metrics.update(
+            {f"gs/raised/{layer.name}": float(raised.get(layer.name, 0)) for layer in layers if layer.kind == "gemm"}
+        )
         metrics.update({f"gs/underflow/{layer.name}": layer.underflow_rate for layer in layers})
         metrics.update(
             {

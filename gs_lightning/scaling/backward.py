@@ -425,6 +425,9 @@ class ScaledBackwards:
         """The update ``reasons`` asked for is done: its plan kept, its scales read with the step's, recorded."""
         self.update_iterations += 1
         plan = scales.plans[()] = run.plan()
+        # compiled modules replay the scales located at the update; inner graphs' plans are not shifted
+        scales.follower.forget()
+        scales.follower.eligible = not self.compiled and set(scales.plans) == {()}
         # once its scales are read
         scales.keep_update(run, plan, partial(self.backoff.updated, run, scales, scales.schedule.backwards))
         self.updates.append(scales.schedule.updated(self.iteration, reasons))

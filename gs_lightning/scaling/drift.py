@@ -84,6 +84,7 @@ class DriftReading:
         tolerance_log2: The shrink that asks for an update
             (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.drift_tolerance_log2`); ``None``: none does
             (a reading of no step, which has no drift to judge).
+        update: Whether an update iteration's gradients were among those read.
     """
 
     drift_log2: float = math.nan
@@ -92,6 +93,7 @@ class DriftReading:
     surprise_log2: float = -math.inf
     surprised: Mapping[int, float] = field(default_factory=dict)
     tolerance_log2: float | None = None
+    update: bool = False
 
     @property
     def some_overflowed(self) -> bool:
@@ -213,11 +215,11 @@ class GradientDrift:
                 surprised = {j: at_least[j] for j, r in ratios.items() if r > 0.0 and math.log2(r) > ROUNDING_LOG2}
         if at_least:
             self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]
+        update, self._update = self._update, False
         self._pending.clear()
-        self._update = False
         measured_leaves = frozenset(j for leaves, _ in measured.values() for j in leaves)
         self.last = DriftReading(
-            drift, frozenset(non_finite), measured_leaves, surprise, surprised, self.tolerance_log2
+            drift, frozenset(non_finite), measured_leaves, surprise, surprised, self.tolerance_log2, update
         )
         return self.last
 

@@ -18,6 +18,7 @@ import torch
 from gs_lightning.scaling.backoff import LayerBackoff
 from gs_lightning.scaling.decide import LayerScale, NodeDecisions, UnreadRates
 from gs_lightning.scaling.drift import GradientDrift
+from gs_lightning.scaling.follow import LevelFollower
 from gs_lightning.scaling.gradient_stats import DeviceRead, FiniteFlags, first_non_finite
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.plan import ScalePlan
@@ -35,9 +36,12 @@ class GraphScales:
     Attributes:
         names: The structure's node types, as :class:`~gs_lightning.scaling.graph.AutogradGraph` has them.
         edges: Its wiring.
-        plans: The last update's plan of the graph (path ``()``) and of each reentrant checkpoint's inner graph.
+        plans: The plans the next replay runs, of the graph (path ``()``; the last update's, shifted by
+            :attr:`follower`) and of each reentrant checkpoint's inner graph.
         analyses: Their node classifications (rebuilt after a restore or :meth:`GradientScaler.attach`).
         drift: Its weight gradients' largest values, between updates and at them.
+        follower: The GEMMs' shifts from the last update's plan, which the step moves
+            (:mod:`~gs_lightning.scaling.follow`; :attr:`plans` holds the shifted plan).
         layer_backoff: Caps on its nodes that overflowed.
         schedule: When its backwards update, what asked for the next update, and why its last one ran (its
             backwards counted there).
@@ -52,6 +56,7 @@ class GraphScales:
         self.plans: dict[Path, ScalePlan] = {}
         self.analyses: dict[Path, GraphAnalysis] = {}
         self.drift = drift
+        self.follower = LevelFollower()
         self.layer_backoff = LayerBackoff()
         self._layers: dict[str, LayerScale] = {}
         self._updated: list[LayerScale] = []  # the last update's layers in its order, which its unread rates index
@@ -172,6 +177,7 @@ class GraphScales:
             "edges": [[list(e) if e is not None else None for e in edges] for edges in self.edges],
             "plans": [[list(path), plan.state_dict()] for path, plan in self.plans.items()],
             "drift": self.drift.state_dict(),
+            "follower": self.follower.state_dict(),
             "layer_backoff": self.layer_backoff.state_dict(),
             "layers": [layer.state_dict() for layer in self.layers.values()],
             "first_non_finite": self.first_non_finite,
@@ -186,6 +192,7 @@ class GraphScales:
         graph = cls(tuple(state["names"]), edges, drift)
         graph.plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in state["plans"]}
         graph.drift.load_state_dict(state.get("drift", {}))
+        graph.follower.load_state_dict(state.get("follower", {}))
         graph.layer_backoff.load_state_dict(state.get("layer_backoff", []))
         graph.layers = {layer["name"]: LayerScale.from_state_dict(layer) for layer in state.get("layers", [])}
         graph._first_non_finite = state.get("first_non_finite")

@@ -128,6 +128,14 @@ class ScalingRecipe:
     Rules beyond the paper (each off in :meth:`paper`; its value there in brackets):
 
     Attributes:
+        follow_gradients: Between updates, raise each GEMM's accumulated scale at the step by the whole binades
+            the level of the parameter gradients it computes fell below the update's, up to the update's own
+            bound on them, all layers at once on the host from the values the step's one read takes
+            (:mod:`~gs_lightning.scaling.follow`); such a fall then asks for no update (the drift rule
+            still asks where a GEMM's scale was held by what it sends on). Protects against values sinking
+            towards λmin as a run converges, without the update iterations the drift rule spent on it
+            (ResNet-8: 32-34 updates in 300 steps became 18-21). Measured by ``python
+            bench/compare_training.py`` and ``pytest tests/scaling/test_follow.py``. [``False``]
         replay_headroom_log2: Binades kept below λmax by every exact overflow bound, so a gradient
             may grow between updates before a replay overflows (GPT-2's c_proj bias gradients
             overflowed one SGD step after an update without it; ``python bench/replay_headroom.py``).
@@ -148,9 +156,9 @@ class ScalingRecipe:
             none). [``"largest"``]
         drift_tolerance_log2: Ask for an update when a scale group's largest weight gradient
             falls this many binades below its value at the last update (its underflow roughly
-            doubles per binade). ``None``: no drift-triggered update. Measured by ``pytest
-            tests/scaling/test_drift.py -k shrinkage`` and ``tests/scaling/test_recipe.py -k
-            on_schedule_only``. [``None``]
+            doubles per binade), where ``follow_gradients`` does not raise it instead. ``None``: no
+            drift-triggered update. Measured by ``pytest tests/scaling/test_drift.py -k shrinkage`` and
+            ``tests/scaling/test_recipe.py -k on_schedule_only``. [``None``]
         update_after_zero_gradient: An update that meets a weight gradient newly all zeros asks for
             another on the next backward, and between updates one that turns nonzero counts as
             drift: such a gradient gives its layers nothing to decide on, and it turns nonzero with
@@ -227,6 +235,7 @@ class ScalingRecipe:
     max_log2_total_scale: int = 100
     max_graphs: int = 8
 
+    follow_gradients: bool = True
     replay_headroom_log2: float = 1.0
     weight_grad_margin_log2: float = 0.5
     wide_branch_scale: Literal["smallest", "largest"] = "smallest"
@@ -260,6 +269,7 @@ class ScalingRecipe:
                 fail(field, "None or a number >= 1")
         switches = (
             "exact_probes",
+            "follow_gradients",
             "weight_grad_bounds",
             "branch_sum_bound",
             "gain_bounds",
@@ -367,7 +377,8 @@ class ScalingRecipe:
     def measures_drift(self) -> bool:
         """Whether a rule reads the weight gradients' largest values between updates (none in the paper's)."""
         return (
-            self.drift_tolerance_log2 is not None
+            self.follow_gradients
+            or self.drift_tolerance_log2 is not None
             or self.expected_maxima_margin_log2 is not None
             or self.recompute_weight_gradients
         )
@@ -395,6 +406,7 @@ class ScalingRecipe:
 _PAPER_VALUES: dict[str, Any] = {
     "lambda_min": "subnormal",
     "exact_probes": False,
+    "follow_gradients": False,
     "replay_headroom_log2": 0.0,
     "weight_grad_margin_log2": 0.0,
     "wide_branch_scale": "largest",

@@ -5,9 +5,9 @@ How it runs, in brief:
 * Every backward walks the new autograd graph (a few hundred nodes: well under a millisecond).
 * Each graph structure keeps its own plan and schedule (:mod:`~gs_lightning.scaling.graph_scales`):
   graphs that alternate (two losses with their own optimizers, a gradient penalty) replay their own.
-* On an **update** iteration (a structure's first, after a skipped step, when the gradients drifted
-  a binade below the last update's or a weight gradient rose above what the last update expected of
-  it by more than its layer's margin, and at the latest every
+* On an **update** iteration (a structure's first, after a skipped step, when a weight gradient rose
+  above what the last update expected of it by more than its layer's margin, when the gradients of a
+  layer that cannot follow them (below) drifted a binade lower, and at the latest every
   ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision turns a few statistics of the gradient at
   hand into its scale on the device, unread: the backward never synchronises, and ``step()`` reads
@@ -15,7 +15,9 @@ How it runs, in brief:
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
   synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
-  device and dtype after the backward.
+  device and dtype after the backward. After each step's read, each GEMM's scale is raised by the
+  binades its weight gradients' level fell since the update (:mod:`~gs_lightning.scaling.follow`,
+  on the host: no synchronisation of its own), and the replays run the raised scales.
 * ``step()`` reads every ``.grad`` its optimizer will use, whoever wrote it and however (``.data``,
   numpy, a kernel: writes that no version counter sees): one pass that takes each one's largest
   magnitude (non-finite exactly where the gradient is), the weight gradients the drift statistic
@@ -339,6 +341,17 @@ class GradientScaler:
     def scales(self) -> dict[str, float]:
         """{layer name: local scale β last chosen}, for every decision point."""
         return {name: 2.0**layer.log2_scale for name, layer in self._backwards.graphs.layers().items()}
+
+    def raised(self) -> dict[str, int]:
+        """{layer name: binades its accumulated scale is raised above what the last update chose}, for the GEMMs the
+        step raised as their weight gradients' level fell (``follow_gradients``; :mod:`~gs_lightning.scaling.follow`),
+        in the graph that ran last; empty right after an update. The replays run the raised scales. Host values:
+        no synchronisation."""
+        current = self._backwards.graphs.current
+        analysis = current.analyses.get(()) if current is not None else None
+        if analysis is None:
+            return {}
+        return {analysis.layer_names[g]: k for g, k in current.follower.shifts.items() if g in analysis.layer_names}
 
     def underflow_rates(self) -> dict[str, float]:
         """{layer name: the estimated underflow rate at the chosen scale} (NaN where no model applies)."""

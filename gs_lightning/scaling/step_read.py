@@ -24,7 +24,10 @@ from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
-from gs_lightning.scaling.schedule import drift_reasons
+from gs_lightning.scaling.schedule import UpdateReason, drift_reasons
+
+# What the follower's shifts take in without an update (ScalingRecipe.follow_gradients): a level that fell.
+FOLLOWED = frozenset({UpdateReason.DRIFT})
 
 
 class StepRead:
@@ -112,11 +115,58 @@ class StepRead:
         # before the optimizer steps, not at update().
         self.recompute.clear()
         for graph in unread:
-            if graph.drift.last.drifted and not self._surprise_within_margin(graph):
-                graph.schedule.ask(*drift_reasons(graph.drift.last))
+            # a fall the follower's shifts take in asks for no update
+            followed = self.recipe.follow_gradients and self._follow(graph)
+            reasons = drift_reasons(graph.drift.last) - (FOLLOWED if followed else frozenset())
+            if reasons and not self._surprise_within_margin(graph, followed):
+                graph.schedule.ask(*reasons)
         return self._read_gradients(grads, sharded) if recomputed else non_finite
 
-    def _surprise_within_margin(self, graph: GraphScales) -> bool:
+    def _follow(self, graph: GraphScales) -> bool:
+        """Raise the GEMMs' scales of ``graph`` as its weight gradients' levels fall
+        (:mod:`~gs_lightning.scaling.follow`): an update's reading becomes the follower's reference, a later one
+        may shift the plan the next backwards replay. Whether the structure follows (a skipped step stops it
+        until the next update)."""
+        follower, reading, recipe = graph.follower, graph.drift.last, self.recipe
+        plan, analysis = graph.plans.get(()), graph.analyses.get(())
+        if not follower.eligible or plan is None or analysis is None:
+            return False
+        if reading.non_finite:
+            follower.forget()
+            return False
+        if reading.update:
+            layers = graph.layers  # the update's, read with this step's values
+            follower.rebase(
+                plan,
+                analysis,
+                graph.drift.recent,
+                graph.drift.expected,
+                recipe.level_steps,
+                recipe.recomputed_spike_share if recipe.recompute_weight_gradients else 1.0,
+                {g: layers[name].limit for g, name in analysis.layer_names.items() if name in layers},
+            )
+            return True
+        margin = recipe.expected_maxima_margin_log2 or 0.0
+
+        def highest_total(log2_value: float) -> int:  # bounds.expected_total, in log2, within the recipe's cap
+            return min(math.ceil(math.log2(self.lambda_max) - log2_value - margin) - 1, recipe.max_log2_total_scale)
+
+        shifted = follower.follow(
+            graph.drift.recent,
+            recipe.level_steps,
+            highest_total,
+            graph.layer_backoff.node_caps(),
+            analysis,
+            recipe.kept_downstream_cap,
+            recipe.drift_tolerance_log2,
+        )
+        if shifted is not None:
+            graph.plans[()] = shifted
+        if follower.unfollowed:
+            graph.schedule.ask(UpdateReason.DRIFT)
+        return follower.base is not None
+
+    def _surprise_within_margin(self, graph: GraphScales, followed: bool) -> bool:
         """Where weight gradients rising above what the last update expected of them is all that asks for an
         update, and each is computed at a scale an update expecting it would allow (the margin above
         expected maxima intact, :func:`~gs_lightning.scaling.drift.within_margin`): expect those values
@@ -130,7 +180,8 @@ class StepRead:
         if not self.recipe.expect_surprise_within_margin or margin_log2 is None:
             return False
         plan, analysis = graph.plans.get(()), graph.analyses.get(())
-        if not reading.surprised or reading.non_finite or reading.shrank or plan is None or analysis is None:
+        shrank = reading.shrank and not followed  # a shrink the follower took in asks for nothing
+        if not reading.surprised or reading.non_finite or shrank or plan is None or analysis is None:
             return False
         highest_total = partial(expected_total, lambda_max=self.lambda_max, margin_log2=margin_log2)
         if not within_margin(analysis, plan, reading.surprised, highest_total):

@@ -72,9 +72,13 @@ def _shrinking_loss_run(recipe: str | ScalingRecipe) -> GradientScaler:
 
 
 def test_the_paper_recipe_updates_on_schedule_only() -> None:
-    """Algorithm 1 recomputes the scales every update_interval iterations; the drift rule is the default's."""
-    assert _shrinking_loss_run("paper").update_iterations == 1
-    assert _shrinking_loss_run("default").update_iterations > 1
+    """Algorithm 1 recomputes the scales every update_interval iterations and replays them unchanged in between; the
+    default follows the gradients with its shifts (and the drift rule, with the follower off, by updates)."""
+    paper = _shrinking_loss_run("paper")
+    assert paper.update_iterations == 1 and not paper.graphs[-1].follower.shifts
+    default = _shrinking_loss_run("default")
+    assert default.update_iterations == 1 and default.graphs[-1].follower.shifts
+    assert _shrinking_loss_run(ScalingRecipe(follow_gradients=False)).update_iterations > 1
 
 
 def test_the_paper_recipe_decides_a_cast_by_theorem_2() -> None:
@@ -158,6 +162,7 @@ PAPER_SILENT = {
     "max_graphs",
 }
 BEYOND_PAPER = {
+    "follow_gradients",
     "replay_headroom_log2",
     "weight_grad_margin_log2",
     "wide_branch_scale",

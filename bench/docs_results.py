@@ -327,6 +327,7 @@ def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[
     """
     rows = []
     order = {key: place for place, key in enumerate(methods)}
+    ratios = _time_ratios(runs)
     for task in dict.fromkeys(r["task"] for r in runs):
         keys = dict.fromkeys(r["method"] for r in runs if r["task"] == task)
         for key in sorted(keys, key=lambda k: order.get(k, len(order))):
@@ -355,8 +356,23 @@ def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[
                         row[sub] = statistics.fmean(numbers)
                     elif all(v.get(sub) is None for v in values):
                         row[sub] = None
+            measured = ratios.get((task, row["gradients"], key))
+            row[TIME_RATIO] = statistics.fmean(measured) if measured else None
             rows.append(row)
     return rows
+
+
+TIME_RATIO = "s ÷ dynamic loss scale"  # mean over seeds of each seed's ratio, stepped in lockstep with it
+
+
+def _time_ratios(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[float]]:
+    """The bench's per-seed time ratios to the dynamic loss scale (``compare_training.time_ratios``); none for runs
+    not trained in lockstep with it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from compare_training import Run, time_ratios
+
+    fields = set(Run.__dataclass_fields__)
+    return time_ratios([Run(**{k: v for k, v in r.items() if k in fields}) for r in runs if "lockstep" in r])
 
 
 def _flatten(field: str, value: Any) -> dict[str, Any]:
@@ -397,7 +413,15 @@ def _columns_named(row: dict[str, Any]) -> dict[str, str]:
 
 
 # What separates the methods, then how each run ended; any other column the bench adds goes to a third table.
-SEPARATING = ("gradients", "method", "skipped steps", "GEMM-gradient underflow", "oracle underflow", "s / run")
+SEPARATING = (
+    "gradients",
+    "method",
+    "skipped steps",
+    "GEMM-gradient underflow",
+    "oracle underflow",
+    "s / run",
+    TIME_RATIO,
+)
 OUTCOME = ("gradients", "method", "final train loss", "GS update iterations", "GS recomputed steps")
 NOT_SHOWN = ("task", "method key", "seeds")  # the section's title, the table's order, the sentence above it
 

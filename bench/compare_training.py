@@ -8,7 +8,8 @@ Methods, in three settings:
 
 * fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
   scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS, GS with the paper's
-  Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper);
+  Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper), on request GS following the
+  gradients between updates (``follow_gradients=True``);
 * fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
   GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
   dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor
@@ -66,6 +67,8 @@ from gs_lightning.simulate.methods import (
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
 # GS with ScalingRecipe.paper(): Algorithm 1 as published, none of the rules beyond the paper (issue 52)
 PAPER_LABEL = "GS, paper's Algorithm 1"
+# GS with ScalingRecipe.follow_gradients: the step raises the scales as the gradients' level falls (issue 51)
+FOLLOW_LABEL = "GS, following the gradients"
 _FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}
 
 
@@ -111,6 +114,9 @@ def _methods() -> dict[str, Method]:
         Method("fp16-dynamic", "fp16", "dynamic loss scale", f16, True, None, lambda m: DynamicLossScale()),
         Method("fp16-gs", "fp16", "GS", f16, True, None, lambda m: GradientScaler(m)),
         Method("fp16-gs-paper", "fp16", PAPER_LABEL, f16, True, None, lambda m: GradientScaler(m, "paper")),
+        Method(
+            "fp16-gs-follow", "fp16", FOLLOW_LABEL, f16, True, None, lambda m: GradientScaler(m, follow_gradients=True)
+        ),
         Method("e5m2-none", "e5m2", "no scaling", f16, True, E5M2, lambda m: NoScaling()),
         Method("e5m2-fixed4096", "e5m2", "fixed loss scale 4096", f16, True, E5M2, lambda m: FixedLossScale(4096)),
         Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
@@ -145,6 +151,15 @@ def _methods() -> dict[str, Method]:
         Method("e5m2-gs", "e5m2", "GS", f16, True, E5M2, lambda m: GradientScaler(m, dtype=E5M2)),
         Method("e5m2-gs-paper", "e5m2", PAPER_LABEL, f16, True, E5M2, lambda m: GradientScaler(m, "paper", dtype=E5M2)),
         Method(
+            "e5m2-gs-follow",
+            "e5m2",
+            FOLLOW_LABEL,
+            f16,
+            True,
+            E5M2,
+            lambda m: GradientScaler(m, dtype=E5M2, follow_gradients=True),
+        ),
+        Method(
             "e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())
         ),
         Method(
@@ -169,7 +184,8 @@ def _methods() -> dict[str, Method]:
 
 
 METHODS = _methods()
-OPTIONAL_METHODS = ("e4m3-gs", "e5m2-in-mx", "e4m3-in-gs")  # format-for-format checks, run on request
+# format-for-format checks and the opt-in follower, run on request
+OPTIONAL_METHODS = ("e4m3-gs", "e5m2-in-mx", "e4m3-in-gs", "fp16-gs-follow", "e5m2-gs-follow")
 DEFAULT_METHODS = tuple(k for k in METHODS if k not in OPTIONAL_METHODS)
 
 

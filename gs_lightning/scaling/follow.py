@@ -74,6 +74,7 @@ class LevelFollower:
     rises: dict[int, bool] = field(default_factory=dict)
     shifts: dict[int, int] = field(default_factory=dict)
     unfollowed: bool = False
+    _kept: tuple[tuple, dict[int, int]] | None = field(default=None, repr=False)
 
     def rebase(
         self,
@@ -93,7 +94,7 @@ class LevelFollower:
         recomputed; ``limits``: node -> what held its scale at the update (:attr:`LayerScale.limit
         <gs_lightning.scaling.decide.LayerScale.limit>`).
         """
-        self.base, self.shifts, self.unfollowed = plan, {}, False
+        self.base, self.shifts, self.unfollowed, self._kept = plan, {}, False, None
         self.reference, self.spike, self.share, self.rises = {}, {}, {}, {}
         decides = analysis.derive("decision nodes", lambda: decision_nodes(analysis))
         self.leaves = {
@@ -158,14 +159,22 @@ class LevelFollower:
                 self.unfollowed |= tolerance_log2 is not None and fell >= tolerance_log2
                 continue
             raises[g] = min(fell, highest[g] - total)
-        if kept_downstream_cap and highest:
-            kept = kept_downstream(_Structure(self.base), analysis, highest)
+        if kept_downstream_cap and any(up > 0 for up in raises.values()):
+            kept = self._kept_downstream(analysis, highest)
             raises = {g: min(up, kept.get(g, math.inf) - totals[g]) for g, up in raises.items()}
         shifts = {g: int(up) for g, up in raises.items() if up > 0}
         if shifts == self.shifts:
             return None
         self.shifts = shifts
         return shifted_plan(self.base, shifts, analysis.derive("decision nodes", lambda: decision_nodes(analysis)))
+
+    def _kept_downstream(self, analysis: GraphAnalysis, highest: dict[int, int]) -> dict[int, int]:
+        """:func:`~gs_lightning.scaling.gains.kept_downstream` of ``highest``, walked again only where it changed
+        (the bounds move by whole binades: most steps repeat the last one's)."""
+        key = tuple(sorted(highest.items()))
+        if self._kept is None or self._kept[0] != key:
+            self._kept = (key, kept_downstream(_Structure(self.base), analysis, highest))
+        return self._kept[1]
 
     def forget(self) -> None:
         """No raises until the next update (a skipped step; a structure whose plan may not be shifted)."""

@@ -128,14 +128,6 @@ class ScalingRecipe:
     Rules beyond the paper (each off in :meth:`paper`; its value there in brackets):
 
     Attributes:
-        follow_gradients: Between updates, raise each GEMM's accumulated scale at the step by the whole binades
-            the level of the parameter gradients it computes fell below the update's, up to the update's own
-            bound on them, all layers at once on the host from the values the step's one read takes
-            (:mod:`~gs_lightning.scaling.follow`); such a fall then asks for no update (the drift rule
-            still asks where a GEMM's scale was held by what it sends on). Protects against values sinking
-            towards λmin as a run converges, without the update iterations the drift rule spent on it
-            (ResNet-8: 32-34 updates in 300 steps became 18-21). Measured by ``python
-            bench/compare_training.py`` and ``pytest tests/scaling/test_follow.py``. [``False``]
         replay_headroom_log2: Binades kept below λmax by every exact overflow bound, so a gradient
             may grow between updates before a replay overflows (GPT-2's c_proj bias gradients
             overflowed one SGD step after an update without it; ``python bench/replay_headroom.py``).
@@ -207,6 +199,19 @@ class ScalingRecipe:
             recomputation. No effect without ``recompute_weight_gradients`` and
             ``expected_maxima_margin_log2``. [1]
 
+    An opt-in rule (off in both presets):
+
+    Attributes:
+        follow_gradients: Between updates, raise each GEMM's accumulated scale at the step by the whole binades
+            the level of the parameter gradients it computes fell below the update's, up to the update's own
+            bound on them, all layers at once on the host from the values the step's one read takes
+            (:mod:`~gs_lightning.scaling.follow`); such a fall then asks for no update (the drift rule
+            still asks where a GEMM's scale was held by what it sends on). Fewer update iterations where
+            gradients shrink as a run converges (ResNet-8: about half), at the price of the small values
+            that the largest does not follow: SSD300's heads' weight gradients, whose share of values below
+            λmin rose 20-fold (still below the dynamic loss scale's). Measured by ``python
+            bench/compare_training.py --methods fp16-gs fp16-gs-follow`` and ``pytest tests/scaling/test_follow.py``.
+
     A field with no effect given another (each "No effect without" above) is allowed at its default
     and at its value in :meth:`paper`, and :meth:`inert_fields` names it with the field that turns it
     off; any other value there is an error naming both (a setting that was asked for and does nothing).
@@ -235,7 +240,6 @@ class ScalingRecipe:
     max_log2_total_scale: int = 100
     max_graphs: int = 8
 
-    follow_gradients: bool = True
     replay_headroom_log2: float = 1.0
     weight_grad_margin_log2: float = 0.5
     wide_branch_scale: Literal["smallest", "largest"] = "smallest"
@@ -248,6 +252,8 @@ class ScalingRecipe:
     spike_room_log2: float = 3.0
     recompute_weight_gradients: bool = True
     recomputed_spike_share: float = 0.5
+
+    follow_gradients: bool = False
 
     def __post_init__(self) -> None:
         def fail(field: str, expected: str) -> None:
@@ -406,7 +412,6 @@ class ScalingRecipe:
 _PAPER_VALUES: dict[str, Any] = {
     "lambda_min": "subnormal",
     "exact_probes": False,
-    "follow_gradients": False,
     "replay_headroom_log2": 0.0,
     "weight_grad_margin_log2": 0.0,
     "wide_branch_scale": "largest",

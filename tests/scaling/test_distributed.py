@@ -40,7 +40,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _train(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor, scaler: GradientScaler) -> dict[str, object]:
     """STEPS fp16-autocast steps of a loss whose gradients shrink 2^8 (lr 0: only the loss changes)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    updates, drifts, scales = [], [], []
+    updates, drifts = [], []
     for t in range(STEPS):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = (model(x).float() * upstream).mean() * 2.0 ** (-8 * t / (STEPS - 1))
@@ -50,11 +50,9 @@ def _train(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor, scaler: Gr
         assert scaler.step(optimizer)
         scaler.update()
         drifts.append(scaler.drift.drift_log2)
-        # how far the scales the next backward replays moved from the update's: from the all-reduced gradients
-        scales.append(sorted(scaler.graphs[-1].follower.shifts.items()))
         if scaler.update_iterations > before:
             updates.append(t)
-    return {"updates": updates, "drifts": drifts, "scales": scales, "measured": len(scaler.drift.measured)}
+    return {"updates": updates, "drifts": drifts, "measured": len(scaler.drift.measured)}
 
 
 def _ddp_steps(rank: int, out: Path) -> None:
@@ -86,15 +84,12 @@ def test_ddp_measures_drift_and_updates_where_one_process_does(tmp_path: Path) -
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     model = _model()
     single = _train(model, *_batch(), GradientScaler(model, update_interval=100))
-    # the scales followed the gradients between the scheduled updates
-    assert single["measured"] == 4 and single["scales"][-1]
+    # the drift asked for updates between the scheduled ones
+    assert single["measured"] == 4 and len(single["updates"]) > 1
     for result in ranks:
         assert result["measured"] == 4  # every weight gradient read, though none was deferred
-        assert result["updates"] == single["updates"] and result["scales"] == single["scales"]
-    # with the follower off, the drift asks for updates, as in one process
-    model = _model()
-    drift_only = _train(model, *_batch(), GradientScaler(model, update_interval=100, follow_gradients=False))
-    assert len(drift_only["updates"]) > 1 and all(math.isfinite(d) for d in drift_only["drifts"])
+        assert result["updates"] == single["updates"]
+        assert all(math.isfinite(d) for d in result["drifts"])  # read on every step (NaN: nothing was measured)
 
 
 def _bn_model() -> nn.Module:

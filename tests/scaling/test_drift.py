@@ -263,7 +263,7 @@ def test_fp32_gradients_are_bit_exact_on_drift_triggered_updates(case: str) -> N
         model.zero_grad(set_to_none=True)
         (loss_fn(model) * factor).backward()
         references.append(_grads(model))
-    scaler = GradientScaler(model, update_interval=100, follow_gradients=False)  # the drift rule: updates
+    scaler = GradientScaler(model, update_interval=100)
     drifts = []
     for iteration, (factor, reference) in enumerate(zip(factors, references)):
         model.zero_grad(set_to_none=True)
@@ -429,9 +429,7 @@ def _large_inputs(model: nn.Module) -> torch.Tensor:
     )
 
 
-# _hard_batches' hard batches. The tests of the expected maxima below pin them as updates apply them, with the
-# follower off (it moves the scales between updates on these batches too: tests/scaling/test_follow.py).
-HARD = tuple(step for step in range(40) if step % 7 == 6)
+HARD = tuple(step for step in range(40) if step % 7 == 6)  # _hard_batches' hard batches
 
 
 class HardBatches(NamedTuple):
@@ -478,12 +476,12 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> 
     the scales, and the hard batches overflow only weight gradients: recomputed, none skipped."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model, follow_gradients=False)
+    scaler = GradientScaler(model)
     assert _hard_batches(scaler, model).skipped == [] and scaler.recomputed_steps == len(HARD)
     assert any(layer.limit is Limit.RECOMPUTED_SPIKES for layer in scaler.layers())
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model, recompute_weight_gradients=False, follow_gradients=False)  # clear of every spike
+    scaler = GradientScaler(model, recompute_weight_gradients=False)  # the scales keep clear of every spike
     run = _hard_batches(scaler, model)
     # Only hard batches overflow, and not all: each skip makes the next backward an update, named for it.
     assert set(run.skipped) < set(HARD) and scaler.recomputed_steps == 0
@@ -499,7 +497,7 @@ def test_a_batch_above_what_the_update_expected_asks_for_the_next_update() -> No
     every hard batch here.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model, recompute_weight_gradients=False, follow_gradients=False)
+    scaler = GradientScaler(model, recompute_weight_gradients=False)
     run = _hard_batches(scaler, model, (2, 4, 6, 8, 10))
     assert run.skipped == [HARD[0]]  # the first hard batch: nothing to expect it from
     # every later one rose above what was expected of it, out of the margin: the next backward updates, for that
@@ -518,7 +516,7 @@ def test_a_batch_above_what_was_expected_within_the_margin_asks_for_no_update() 
     def run(**changes: Any) -> GradientScaler:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-        scaler = GradientScaler(model, recompute_weight_gradients=False, follow_gradients=False, **changes)
+        scaler = GradientScaler(model, recompute_weight_gradients=False, **changes)
         assert _hard_batches(scaler, model, (2, 2.25, 2.5, 2.75, 3)).skipped == [HARD[0]]
         return scaler
 
@@ -552,7 +550,7 @@ def test_spike_room_is_kept_where_only_precision_is_lost() -> None:
     (Where the weight gradients are not recomputed, so that their spikes bound the scales.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model, recompute_weight_gradients=False, follow_gradients=False)
+    scaler = GradientScaler(model, recompute_weight_gradients=False)
     assert _hard_batches(scaler, model, (2, 6, 6, 6, 6), _few_hard_examples).skipped == [HARD[0]]  # nothing expected
     first = scaler.layers()[-1]
     assert first.limit is Limit.SPIKE_ROOM

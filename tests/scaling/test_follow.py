@@ -1,4 +1,4 @@
-"""The step moves each GEMM's scale with its weight gradients' level (ScalingRecipe.follow_gradients), no update."""
+"""The step raises each GEMM's scale as its weight gradients' level falls (ScalingRecipe.follow_gradients)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_fp32_gradients_are_bit_exact_on_shifted_replays(case: str) -> None:
         model.zero_grad(set_to_none=True)
         (loss_fn(model) * factor).backward()
         references.append(_grads(model))
-    scaler = GradientScaler(model, update_interval=100)
+    scaler = GradientScaler(model, update_interval=100, follow_gradients=True)
     for iteration, (factor, reference) in enumerate(zip(factors, references)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # opaque and reentrant-checkpoint notices
@@ -84,7 +84,7 @@ def _loss(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor, factor: flo
 
 def test_a_falling_level_raises_the_scales_without_an_update() -> None:
     model, x, upstream = _mlp()
-    scaler = GradientScaler(model, update_interval=100, level_steps=1)
+    scaler = GradientScaler(model, update_interval=100, level_steps=1, follow_gradients=True)
     _step(scaler, model, _loss(model, x, upstream, 1e-3))
     graph = scaler.graphs[-1]
     base = dict(graph.plans[()].alpha_out)
@@ -104,7 +104,9 @@ def test_a_raise_stops_at_the_updates_bound_never_lowers_and_a_spike_holds_it() 
     """The follower's rule on one GEMM: the whole binades its level fell, at most up to the highest scale that keeps
     level + spike the margin below λmax (as the update bounds it) and its cap; never below the update's scale."""
     model, x, upstream = _mlp()
-    scaler = GradientScaler(model, update_interval=100, level_steps=3, recompute_weight_gradients=False)
+    scaler = GradientScaler(
+        model, update_interval=100, level_steps=3, recompute_weight_gradients=False, follow_gradients=True
+    )
     _step(scaler, model, _loss(model, x, upstream, 1e-3))
     follower = scaler.graphs[-1].follower
     assert follower.share == {g: 1.0 for g in follower.reference}  # whole spikes: nothing is recomputed
@@ -141,10 +143,10 @@ def test_the_paper_recipe_does_not_follow() -> None:
 
 def test_the_shifts_survive_a_checkpoint() -> None:
     model, x, upstream = _mlp()
-    scaler = GradientScaler(model, update_interval=100, level_steps=1)
+    scaler = GradientScaler(model, update_interval=100, level_steps=1, follow_gradients=True)
     for factor in (1e-3, 1e-3 / 2**4):
         _step(scaler, model, _loss(model, x, upstream, factor))
-    resumed = GradientScaler(model, update_interval=100, level_steps=1)
+    resumed = GradientScaler(model, update_interval=100, level_steps=1, follow_gradients=True)
     resumed.load_state_dict(scaler.state_dict())
     for factor in (1e-3 / 2**6, 1e-3 / 2**2):
         for s in (scaler, resumed):

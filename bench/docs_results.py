@@ -314,7 +314,8 @@ def _paper_label() -> str:
     return PAPER_LABEL
 
 
-IDENTITY = ("task", "method", "seed", "metric_name", "grads", "label", "grad_rounding")  # grad_rounding: in grads
+# grad_rounding: in grads; lockstep: the runs' pairing, shown as the time ratio
+IDENTITY = ("task", "method", "seed", "metric_name", "grads", "label", "grad_rounding", "lockstep")
 
 
 def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[str, Any]]:

@@ -153,3 +153,25 @@ def test_merge_adds_the_paper_rows_to_an_earlier_table(compare_training, tmp_pat
         compare_training.main([*common[:2], "3", *common[3:], "--methods", "fp16-gs-paper", "--merge", str(table)])
     with pytest.raises(SystemExit):  # no such table
         compare_training.main([*common, "--methods", "fp32", "--merge", str(tmp_path / "missing.json")])
+
+
+def test_time_ratios_pair_each_run_with_the_dynamic_loss_scale_it_was_stepped_with(compare_training) -> None:
+    """Per seed, a run's seconds over those of the dynamic loss scale of its gradient format trained in lockstep with
+    it; a run trained alone (no lockstep id) or with no such partner has none."""
+
+    def run(method: str, grads: str, label: str, seconds: float, lockstep: str | None) -> object:
+        return compare_training.Run("resnet", method, 0, "top-1", 1.0, 0, None, seconds, [], grads=grads, label=label,
+                                    lockstep=lockstep)  # fmt: skip
+
+    runs = [
+        run("fp16-dynamic", "fp16", "dynamic loss scale", 10.0, "a"),
+        run("fp16-gs", "fp16", "GS", 11.0, "a"),
+        run("fp16-dynamic", "fp16", "dynamic loss scale", 20.0, "b"),
+        run("fp16-gs", "fp16", "GS", 21.0, "b"),
+        run("e5m2-gs", "e5m2", "GS", 12.0, "a"),  # no e5m2 dynamic loss scale stepped with it
+        run("fp16-gs", "fp16", "GS", 5.0, None),  # trained alone
+    ]
+    ratios = compare_training.time_ratios(runs)
+    assert ratios[("resnet", "fp16", "fp16-gs")] == pytest.approx([1.1, 1.05])
+    assert ratios[("resnet", "fp16", "fp16-dynamic")] == [1.0, 1.0]
+    assert ("resnet", "e5m2", "e5m2-gs") not in ratios

@@ -97,18 +97,11 @@ class LevelFollower:
         self.base, self.shifts, self.unfollowed, self._kept = plan, {}, False, None
         self.reference, self.spike, self.share, self.rises = {}, {}, {}, {}
         decides = analysis.derive("decision nodes", lambda: decision_nodes(analysis))
-        self.leaves = {
-            g: leaves
+        computed = {
+            g: {*parameter_leaves(plan.names, plan.edges, analysis, g), *fed_leaves(plan.edges, analysis, g, decides)}
             for g in analysis.weight_edges
-            if (
-                leaves := tuple(
-                    sorted(
-                        {*parameter_leaves(plan.names, plan.edges, analysis, g)}
-                        | fed_leaves(plan.edges, analysis, g, decides)
-                    )
-                )
-            )
         }
+        self.leaves = {g: tuple(sorted(leaves)) for g, leaves in computed.items() if leaves}
         for g, leaves in self.leaves.items():
             largest = _node_largest(recent[-1], leaves) if recent else 0.0
             level = _level(recent, leaves, level_steps)

@@ -6,18 +6,19 @@ How it runs, in brief:
 * Each graph structure keeps its own plan and schedule (:mod:`~gs_lightning.scaling.graph_scales`):
   graphs that alternate (two losses with their own optimizers, a gradient penalty) replay their own.
 * On an **update** iteration (a structure's first, after a skipped step, when a weight gradient rose
-  above what the last update expected of it by more than its layer's margin, when the gradients of a
-  layer that cannot follow them (below) drifted a binade lower, and at the latest every
-  ``update_interval``-th) hooks decide every scale as autograd executes
+  above what the last update expected of it by more than its layer's margin, when the gradients
+  drifted a binade below the last update's (where the scales do not follow them, below), and at the
+  latest every ``update_interval``-th) hooks decide every scale as autograd executes
   (:mod:`~gs_lightning.scaling.update`); each decision turns a few statistics of the gradient at
   hand into its scale on the device, unread: the backward never synchronises, and ``step()`` reads
   the scales with the gradients (see :meth:`GradientScaler.backward`).
 * On the iterations in between, the decisions are replayed as constant power-of-two factors
   (:mod:`~gs_lightning.scaling.plan`): no hook at all where the factor is 1, and no
   synchronisation of their own; the weight gradients are unscaled in one fused multiply per scale,
-  device and dtype after the backward. After each step's read, each GEMM's scale is raised by the
-  binades its weight gradients' level fell since the update (:mod:`~gs_lightning.scaling.follow`,
-  on the host: no synchronisation of its own), and the replays run the raised scales.
+  device and dtype after the backward. With ``follow_gradients=True``, after each step's read each
+  GEMM's scale is raised by the binades its weight gradients' level fell since the update
+  (:mod:`~gs_lightning.scaling.follow`, on the host: no synchronisation of its own), and the replays
+  run the raised scales.
 * ``step()`` reads every ``.grad`` its optimizer will use, whoever wrote it and however (``.data``,
   numpy, a kernel: writes that no version counter sees): one pass that takes each one's largest
   magnitude (non-finite exactly where the gradient is), the weight gradients the drift statistic

@@ -171,6 +171,10 @@ class GradientDrift:
             (int(values[a]) if isinstance(a, torch.Tensor) else a, leaves, grads) for a, leaves, grads in self._pending
         ]
 
+    def queued(self) -> list[tuple[Exponent, tuple[int, ...], list[torch.Tensor]]]:
+        """The queued groups, unread: (the scale they were computed at, their leaves, their unscaled gradients)."""
+        return list(self._pending)
+
     def pending(self) -> list[torch.Tensor]:
         """The queued gradients, in the order :meth:`read` takes their largest magnitudes."""
         return [grad for _, _, grads in self._pending for grad in grads]

@@ -14,6 +14,10 @@ chose the accumulated scale ``T`` when its parameter gradients were at level ``r
   λmax (:func:`~gs_lightning.scaling.bounds.expected_total`), the share of the spikes where the gradients are
   recomputed, the layer's back-off cap, ``max_log2_total_scale``, and what the GEMMs it feeds keep
   (:func:`~gs_lightning.scaling.gains.kept_downstream`);
+* the largest value can fall slower than the small ones (a few hard examples dominate it): where more than
+  γ' of a weight gradient's nonzero values sit below λmin at its scale (counted at the step with the largest
+  magnitudes, :meth:`LevelFollower.tail_shares`), the GEMM gets one binade more on top of its level's fall,
+  kept until the next update;
 * it never goes below ``T``: a rise above what the update expected is the expected-maxima rule's, which asks
   for an update where the margin no longer holds;
 * only a GEMM whose scale met γ' at the update, or was held by its own parameter gradients, follows them: where
@@ -36,6 +40,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from gs_lightning.scaling.gains import kept_downstream
 from gs_lightning.scaling.graph import GraphAnalysis, Slot, decision_nodes
 from gs_lightning.scaling.limits import Limit
@@ -43,7 +49,7 @@ from gs_lightning.scaling.plan import ScalePlan
 from gs_lightning.scaling.walks import fed_leaves, parameter_leaves
 
 # What :meth:`LevelFollower.state_dict` keeps per GEMM node, each a dict of the follower's.
-_PER_NODE = ("leaves", "reference", "spike", "share", "rises", "shifts")
+_PER_NODE = ("leaves", "reference", "spike", "share", "rises", "extra", "shifts")
 
 
 @dataclass
@@ -61,6 +67,7 @@ class LevelFollower:
         spike: GEMM node -> binades above their level that its parameter gradients reached or were expected to.
         share: GEMM node -> the share of :attr:`spike` that bounds it (less than 1 where they are recomputed).
         rises: GEMM node -> whether it follows its level (its scale met γ' or was held by its parameter gradients).
+        extra: GEMM node -> binades added to its level's fall where its weight gradients' values sank below λmin.
         shifts: GEMM node -> binades its accumulated scale is raised by now (0 left out).
         unfollowed: Whether the last step found the level of a GEMM that does not follow it a binade lower.
     """
@@ -72,6 +79,7 @@ class LevelFollower:
     spike: dict[int, float] = field(default_factory=dict)
     share: dict[int, float] = field(default_factory=dict)
     rises: dict[int, bool] = field(default_factory=dict)
+    extra: dict[int, int] = field(default_factory=dict)
     shifts: dict[int, int] = field(default_factory=dict)
     unfollowed: bool = False
     _kept: tuple[tuple, dict[int, int]] | None = field(default=None, repr=False)
@@ -95,7 +103,7 @@ class LevelFollower:
         <gs_lightning.scaling.decide.LayerScale.limit>`).
         """
         self.base, self.shifts, self.unfollowed, self._kept = plan, {}, False, None
-        self.reference, self.spike, self.share, self.rises = {}, {}, {}, {}
+        self.reference, self.spike, self.share, self.rises, self.extra = {}, {}, {}, {}, {}
         decides = analysis.derive("decision nodes", lambda: decision_nodes(analysis))
         computed = {
             g: {*parameter_leaves(plan.names, plan.edges, analysis, g), *fed_leaves(plan.edges, analysis, g, decides)}
@@ -124,6 +132,8 @@ class LevelFollower:
         analysis: GraphAnalysis,
         kept_downstream_cap: bool = True,
         tolerance_log2: float | None = None,
+        tails: Mapping[int, float] | None = None,
+        underflow_rate: float = 1e-3,
     ) -> ScalePlan | None:
         """The plan for the next backwards where this step's maxima (``recent[-1]``) change a raise; else ``None``.
 
@@ -132,7 +142,9 @@ class LevelFollower:
         back-off, ``max_log2_total_scale``); ``analysis``: the structure's; ``kept_downstream_cap``: no GEMM is
         raised above what the GEMMs its gradients reach keep for their own parameter gradients. Sets
         :attr:`unfollowed` where the level of a GEMM that does not follow it fell ``tolerance_log2`` binades or
-        more.
+        more. ``tails``: leaf -> the share of its gradient's nonzero values below λmin at the scale it was
+        computed at (:meth:`tail_shares`, as read); a GEMM with one above ``underflow_rate`` gets one binade
+        more (:attr:`extra`) on top of its level's fall, kept until the next update.
         """
         if self.base is None or not recent:
             return None
@@ -151,7 +163,12 @@ class LevelFollower:
             if not self.rises[g]:
                 self.unfollowed |= tolerance_log2 is not None and fell >= tolerance_log2
                 continue
-            raises[g] = min(fell, highest[g] - total)
+            room, extra = highest[g] - total, self.extra.get(g, 0)
+            # values that sank although the level stayed (a fall explains its own: the raise below takes it in)
+            settled = fell <= self.shifts.get(g, 0) - extra
+            if settled and fell < room and max((tails or {}).get(j, 0.0) for j in leaves) > underflow_rate:
+                self.extra[g] = min(extra + 1, room - fell)  # stays until the next update
+            raises[g] = min(fell + self.extra.get(g, 0), room)
         if kept_downstream_cap and any(up > 0 for up in raises.values()):
             kept = self._kept_downstream(analysis, highest)
             raises = {g: min(up, kept.get(g, math.inf) - totals[g]) for g, up in raises.items()}
@@ -160,6 +177,33 @@ class LevelFollower:
             return None
         self.shifts = shifts
         return shifted_plan(self.base, shifts, analysis.derive("decision nodes", lambda: decision_nodes(analysis)))
+
+    def tail_shares(
+        self, pending: list[tuple[int | torch.Tensor, tuple[int, ...], list[torch.Tensor]]], lambda_min: float
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The leaves the followed GEMMs compute of ``pending`` (the drift monitor's queued (scale, leaves,
+        gradients), unscaled), and per leaf the share of its gradient's nonzero values below ``lambda_min`` at the
+        scale it was computed at, stacked on the device, unread (the step reads them with the rest): the values that
+        sank to λmin although the largest did not fall, where a few examples dominate (SSD300's heads). ``None``
+        where there is nothing to follow, or the scales are an update's (on the device)."""
+        if self.base is None:
+            return None
+        followed = {j for g, leaves in self.leaves.items() if self.rises.get(g) for j in leaves}
+        items = [
+            (j, grad, alpha)
+            for alpha, leaves, grads in pending
+            if not isinstance(alpha, torch.Tensor)
+            for j, grad in zip(leaves, grads)
+            if j in followed
+        ]
+        if not items:
+            return None
+        shares = []
+        for _, grad, alpha in items:
+            nonzero = grad != 0
+            small = nonzero & (grad.abs() < lambda_min * 2.0**-alpha)
+            shares.append(small.sum() / nonzero.sum().clamp(min=1))
+        return [j for j, _, _ in items], torch.stack(shares).float()
 
     def _kept_downstream(self, analysis: GraphAnalysis, highest: dict[int, int]) -> dict[int, int]:
         """:func:`~gs_lightning.scaling.gains.kept_downstream` of ``highest``, walked again only where it changed
@@ -194,6 +238,7 @@ class LevelFollower:
         self.spike = {g: float(node["spike"]) for g, node in nodes.items()}
         self.share = {g: float(node["share"]) for g, node in nodes.items()}
         self.rises = {g: bool(node["rises"]) for g, node in nodes.items()}
+        self.extra = {g: int(node.get("extra", 0)) for g, node in nodes.items() if node.get("extra")}
         self.shifts = {g: int(node["shifts"]) for g, node in nodes.items() if node["shifts"]}
 
 

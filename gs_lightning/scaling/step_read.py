@@ -45,9 +45,12 @@ class StepRead:
         recomputed_steps: Steps taken although a weight gradient overflowed: it was recomputed in fp32.
     """
 
-    def __init__(self, recompute: WeightGradRecompute, lambda_max: float, recipe: ScalingRecipe) -> None:
+    def __init__(
+        self, recompute: WeightGradRecompute, lambda_max: float, recipe: ScalingRecipe, lambda_min: float = 2.0**-14
+    ) -> None:
         self.recompute = recompute
         self.lambda_max = lambda_max
+        self.lambda_min = lambda_min
         self.recipe = recipe
         self.recompute_graph: GraphScales | None = None
         self.recomputed_steps = 0
@@ -95,6 +98,12 @@ class StepRead:
         read.put("sparse flags", unscale_and_check_(g for g in local if g.is_sparse))
         for graph in unread:  # what the updates left on the device: read here, not in their backwards
             graph.put_unread(read)
+        tails = {}  # the followed weight gradients' shares of values sunk below λmin, read in the same sync
+        for graph in unread if self.recipe.follow_gradients else ():
+            shares = graph.follower.tail_shares(graph.drift.queued(), self.lambda_min)
+            if shares is not None:
+                tails[graph] = shares[0]
+                read.put((graph, "tails"), [shares[1]])
         values = read.read()  # one sync
         index = {id(t): k for k, t in enumerate(dense)}
         largest = values["largest magnitudes"]
@@ -116,13 +125,14 @@ class StepRead:
         self.recompute.clear()
         for graph in unread:
             # a fall the follower's shifts take in asks for no update
-            followed = self.recipe.follow_gradients and self._follow(graph)
+            shares = dict(zip(tails[graph], values[graph, "tails"])) if graph in tails else {}
+            followed = self.recipe.follow_gradients and self._follow(graph, shares)
             reasons = drift_reasons(graph.drift.last) - (FOLLOWED if followed else frozenset())
             if reasons and not self._surprise_within_margin(graph, followed):
                 graph.schedule.ask(*reasons)
         return self._read_gradients(grads, sharded) if recomputed else non_finite
 
-    def _follow(self, graph: GraphScales) -> bool:
+    def _follow(self, graph: GraphScales, tails: dict[int, float]) -> bool:
         """Raise the GEMMs' scales of ``graph`` as its weight gradients' levels fall
         (:mod:`~gs_lightning.scaling.follow`): an update's reading becomes the follower's reference, a later one
         may shift the plan the next backwards replay. Whether the structure follows (a skipped step stops it
@@ -159,6 +169,8 @@ class StepRead:
             analysis,
             recipe.kept_downstream_cap,
             recipe.drift_tolerance_log2,
+            tails,
+            recipe.underflow_rate,
         )
         if shifted is not None:
             graph.plans[()] = shifted

@@ -203,14 +203,15 @@ class ScalingRecipe:
 
     Attributes:
         follow_gradients: Between updates, raise each GEMM's accumulated scale at the step by the whole binades
-            the level of the parameter gradients it computes fell below the update's, up to the update's own
-            bound on them, all layers at once on the host from the values the step's one read takes
-            (:mod:`~gs_lightning.scaling.follow`); such a fall then asks for no update (the drift rule
-            still asks where a GEMM's scale was held by what it sends on). Fewer update iterations where
-            gradients shrink as a run converges (ResNet-8: about half), at the price of the small values
-            that the largest does not follow: SSD300's heads' weight gradients, whose share of values below
-            λmin rose 20-fold (still below the dynamic loss scale's). Measured by ``python
-            bench/compare_training.py --methods fp16-gs fp16-gs-follow`` and ``pytest tests/scaling/test_follow.py``.
+            the level of the parameter gradients it computes fell below the update's, and by a binade more
+            each step more than γ' of their nonzero values sit below λmin at its scale, up to the update's
+            own bound on them; all layers at once on the host, from what the step's one read takes
+            (:mod:`~gs_lightning.scaling.follow`). Such a fall then asks for no update (the drift rule still
+            asks where a GEMM's scale was held by what it sends on). Fewer update iterations where gradients
+            shrink as a run converges, for one more reduction per followed weight gradient at the step.
+            Off in both presets until it holds every cell of the training tables (their *GS, following the
+            gradients* rows). Measured by ``python bench/compare_training.py --methods fp16-gs fp16-gs-follow``
+            and ``pytest tests/scaling/test_follow.py``.
 
     A field with no effect given another (each "No effect without" above) is allowed at its default
     and at its value in :meth:`paper`, and :meth:`inert_fields` names it with the field that turns it

@@ -158,8 +158,8 @@ class StepRead:
             return True
         margin = recipe.expected_maxima_margin_log2 or 0.0
 
-        def highest_total(log2_value: float) -> int:  # bounds.expected_total, in log2, within the recipe's cap
-            return min(math.ceil(math.log2(self.lambda_max) - log2_value - margin) - 1, recipe.max_log2_total_scale)
+        def highest_total(log2_value: float) -> int:  # the update's bound on parameter gradients, within the cap
+            return min(expected_total(2.0**log2_value, self.lambda_max, margin), recipe.max_log2_total_scale)
 
         shifted = follower.follow(
             graph.drift.recent,

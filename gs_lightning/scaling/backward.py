@@ -30,7 +30,7 @@ from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
-from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord, probes
+from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
 from gs_lightning.scaling.walks import leaf_variables
@@ -251,7 +251,7 @@ class ScaledBackwards:
         run = (
             None
             if replay
-            else UpdateRun(graph, analysis, self._settings(path, scales, reasons), leaves, self.warn_once, root_alpha)
+            else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
         )
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales, reasons)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
@@ -311,7 +311,7 @@ class ScaledBackwards:
                 deferred.append(j)
         return frozenset(deferred)
 
-    def _settings(self, path: Path, scales: GraphScales, reasons: frozenset[UpdateReason]) -> Settings:
+    def _settings(self, path: Path, scales: GraphScales) -> Settings:
         # Not where a compiled module replays the scales (its graph keeps nothing to recompute from),
         # nor in a format that saturates instead of overflowing.
         recipe = self.recipe
@@ -336,8 +336,6 @@ class ScaledBackwards:
             recompute=recompute,
             level_maxima=levels if recompute else {},
             measured_weight_nodes=scales.measured_weights.get(path),
-            # an inner graph's update probes: its parent's reasons are not its own
-            probe_offsets=None if path or probes(reasons, recipe.probed_updates) else scales.probe_offsets,
             recipe=recipe,
         )
 

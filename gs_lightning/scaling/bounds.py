@@ -57,11 +57,6 @@ class Settings:
             binds (:meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>`): those
             where it held the scale on an earlier update (:attr:`GraphScales.measured_weights
             <gs_lightning.scaling.graph_scales.GraphScales.measured_weights>`); ``None``: every GEMM.
-        probe_offsets: GEMM -> how many binades its exact probes raised its underflow bound above Theorem 1's on the
-            last probed update (:attr:`GraphScales.probe_offsets
-            <gs_lightning.scaling.graph_scales.GraphScales.probe_offsets>`): on an update a rule asked for
-            (:attr:`ScalingRecipe.probed_updates`), the GEMMs it names decide from Theorem 1 shifted by it, without
-            probes; ``None``: every GEMM probes (and records its offset).
         recipe: The rules' settings (margins, headroom, probe budgets).
     """
 
@@ -77,7 +72,6 @@ class Settings:
     recompute: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
     measured_weight_nodes: frozenset[int] | None = None
-    probe_offsets: Mapping[int, float] | None = None
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
 
 

@@ -185,9 +185,6 @@ class NodeDecisions:
         weight_binds: GEMM -> whether its Cauchy–Schwarz weight-gradient bound held its scale below γ' (0-dim, unread).
         unmeasured: The GEMMs whose weight gradients were not measured (:attr:`Settings.measured_weight_nodes`).
         weight_bound: The GEMMs of :attr:`weight_binds` where it held (once read in).
-        probe_offsets: GEMM -> how far its probes raised its underflow bound above Theorem 1's (log2; 0-dim, unread
-            until :meth:`read_in`, then the finite ones as floats): what an update between the scheduled ones decides
-            by (:attr:`Settings.probe_offsets <gs_lightning.scaling.bounds.Settings.probe_offsets>`).
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
@@ -200,7 +197,6 @@ class NodeDecisions:
         self.weight_binds: dict[int, torch.Tensor] = {}
         self.unmeasured: set[int] = set()
         self.weight_bound: set[int] = set()  # once read in
-        self.probe_offsets: dict[int, torch.Tensor | float] = {}
 
     def decide(
         self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent
@@ -259,8 +255,7 @@ class NodeDecisions:
 
     def gemm_scale(self, i: int, grad: torch.Tensor, grad_extremes: Extremes, alpha: Exponent) -> Exponent:
         """Theorem 1 (exact for small N) and the probed outputs (what it sends on, its weight gradient): the largest
-        scale. Where :attr:`Settings.probe_offsets <gs_lightning.scaling.bounds.Settings.probe_offsets>` has the GEMM,
-        Theorem 1 raised by its offset instead of the probes.
+        scale.
 
         The first layer sends no activation gradient on: its weight gradients alone decide its scale.
         """
@@ -279,18 +274,16 @@ class NodeDecisions:
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         recipe, device = s.recipe, grad.device
-        offset = None if s.probe_offsets is None else s.probe_offsets.get(i)
-        probing = recipe.exact_probes and offset is None
         sent = (
             [
                 v
                 for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands)
                 if v is not None
             ]
-            if probing
+            if recipe.exact_probes
             else []
         )
-        samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if probing else []
+        samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
         grad_rms, grad_max = rms(grad).double(), magnitude(grad_extremes)
         operand_rms = [rms(op.operand).double() for _, op in operands]
         operand_max = [magnitude(extremes(op.operand)) for _, op in operands]
@@ -299,15 +292,11 @@ class NodeDecisions:
         decided = all_finite([grad_max, *operand_rms, *operand_max, *weight_stats.values()])
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
         sigmas = [gemm_sigma(n, grad_rms, operand_rms[k]) for k, n in enumerate(lengths)]
-        theorem = largest(
-            [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)], device
+        lower = largest(
+            [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
+            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
+            device,
         )
-        if offset is not None:  # what the last probed update's probes found beyond Theorem 1
-            lower = theorem + offset
-        else:
-            lower = largest([theorem, *(v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples)], device)
-            if samples and recipe.probed_updates == "scheduled":
-                self.probe_offsets[i] = lower - theorem  # non-finite where Theorem 1 has no bound: not kept
         maxima = {
             Bound(Limit.INCOMING_GRADIENT): grad_max,
             **{
@@ -530,19 +519,15 @@ class NodeDecisions:
 
     def unread(self) -> list[torch.Tensor]:
         """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided, the weight
-        bounds' flags, the probe offsets."""
-        return [
-            *(t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()),
-            *self.weight_binds.values(),
-            *self.probe_offsets.values(),
-        ]
+        bounds' flags."""
+        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()] + list(
+            self.weight_binds.values()
+        )
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
         """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the layers that
         did not decide into :attr:`undecided` (their rates are not applied: they stay NaN)."""
         self.weight_bound = {i for i, binds in self.weight_binds.items() if values[binds]}
-        offsets = {i: values[t] for i, t in self.probe_offsets.items()}
-        self.probe_offsets = {i: offset for i, offset in offsets.items() if math.isfinite(offset)}
         for k, layer in enumerate(self.layers):
             if isinstance(layer, UnreadLayer):
                 self.layers[k], decided = layer.read(values)

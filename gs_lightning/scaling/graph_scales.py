@@ -48,10 +48,6 @@ class GraphScales:
         measured_weights: Per path, the GEMMs whose weight gradients its updates compute exactly (where the
             Cauchy–Schwarz bound binds): those where it held the scale on an earlier update, every GEMM before the
             first (no entry). A GEMM joins as its bound first holds; unmeasured then, the next backward updates.
-        probe_offsets: GEMM of the loss graph -> how many binades its exact probes raised its underflow bound above
-            Theorem 1's on the last update that probed it (read with its step): what an update a rule asks for decides
-            by instead (:attr:`ScalingRecipe.probed_updates
-            <gs_lightning.scaling.recipe.ScalingRecipe.probed_updates>`).
     """
 
     def __init__(self, names: tuple[str, ...], edges: tuple, drift: GradientDrift) -> None:
@@ -70,7 +66,6 @@ class GraphScales:
         # updates whose scales are unread
         self._runs: list[tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]] = []
         self.measured_weights: dict[Path, frozenset[int]] = {}
-        self.probe_offsets: dict[int, float] = {}
         self.schedule = UpdateSchedule()
 
     @property
@@ -134,9 +129,6 @@ class GraphScales:
             run.read_in(known)
             plan.read_in(known)
             self._measure_weights(path, run.decisions)
-            if not path:  # an update that probed every GEMM replaces the offsets; one that probed some adds theirs
-                probed, partly = run.decisions.probe_offsets, run.decisions.settings.probe_offsets is not None
-                self.probe_offsets = {**self.probe_offsets, **probed} if partly else probed
         self.drift.read_in(known)  # the scales of the gradients it queued
         for _, _, _, after_read in runs:
             if after_read is not None:
@@ -191,7 +183,6 @@ class GraphScales:
             "first_non_finite": self.first_non_finite,
             **self.schedule.state_dict(),
             "measured_weights": [[list(path), sorted(nodes)] for path, nodes in self.measured_weights.items()],
-            "probe_offsets": [[node, offset] for node, offset in sorted(self.probe_offsets.items())],
         }
 
     @classmethod
@@ -207,7 +198,6 @@ class GraphScales:
         graph._first_non_finite = state.get("first_non_finite")
         graph.schedule.load_state_dict(state)
         graph.measured_weights = {tuple(path): frozenset(nodes) for path, nodes in state.get("measured_weights", [])}
-        graph.probe_offsets = {int(node): float(offset) for node, offset in state.get("probe_offsets", [])}
         return graph
 
     # Pickled (copy.deepcopy) as its state: the analyses hold autograd nodes, the plans cached hooks.

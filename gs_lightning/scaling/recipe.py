@@ -69,16 +69,6 @@ class ScalingRecipe:
             without ``exact_probes``.
         weight_probe_macs: Multiply-adds a weight-gradient probe may spend (fewer values where
             each sums over many positions). No effect without ``exact_probes``.
-        probed_updates: Which update iterations compute exact probes: ``"every"`` one, or
-            ``"scheduled"`` ones (the first, every ``update_interval``-th, after a skipped step),
-            while an update a rule asks for in between (drift, an expected maximum exceeded: about
-            nine in ten of ResNet-8's) decides each GEMM from Theorem 1 shifted by what the last
-            probed update's probes found beyond it (its *probe offset*, in binades, read with that
-            update's step); a GEMM with no finite offset yet is probed. On ResNet-8 (fp16, seed 0,
-            200 steps) an update iteration took 1.35x a dynamic loss scale's step, 1.68x with
-            ``"every"``, at the same underflow and no skipped step. Measured by ``python
-            bench/compare_training.py`` and ``pytest tests/scaling/test_update.py -k probe``.
-            No effect without ``exact_probes``.
 
     Where the paper is silent (the same in both presets: Algorithm 1 on a real autograd graph needs
     each, and :meth:`paper` decides with them as the default does):
@@ -241,7 +231,6 @@ class ScalingRecipe:
     probe_elements: int = 2**16
     weight_probe_elements: int = 2**13
     weight_probe_macs: int = 2**22
-    probed_updates: Literal["every", "scheduled"] = "scheduled"
 
     weight_grad_bounds: bool = True
     branch_sum_bound: bool = True
@@ -308,8 +297,6 @@ class ScalingRecipe:
             value = getattr(self, field)
             if value is not None and not (_is_number(value) and value > 0.0):
                 fail(field, "None (the rule off) or a positive number of binades")
-        if self.probed_updates not in ("every", "scheduled"):
-            fail("probed_updates", "'every' or 'scheduled'")
         if self.wide_branch_scale not in ("smallest", "largest"):
             fail("wide_branch_scale", "'smallest' or 'largest'")
         for field in ("opaque_probe_headroom_log2", "opaque_margin_log2"):
@@ -453,7 +440,6 @@ _COUPLINGS: tuple[tuple[str, tuple[str, ...], Callable[[ScalingRecipe], bool], s
     ),
     ("weight_probe_elements", ("exact_probes",), lambda r: r.exact_probes, "by exact probes"),
     ("weight_probe_macs", ("exact_probes",), lambda r: r.exact_probes, "by exact probes"),
-    ("probed_updates", ("exact_probes",), lambda r: r.exact_probes, "by exact probes"),
     (
         "update_after_zero_gradient",
         ("drift_tolerance_log2",),

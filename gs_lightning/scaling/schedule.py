@@ -33,26 +33,6 @@ class UpdateReason(Enum):
     RESUMED = "asked for before the checkpoint it was restored from, which did not say why"
 
 
-# Asked for by a rule between the scheduled updates (the first, every ``update_interval``-th, after a skipped step):
-# under ScalingRecipe.probed_updates="scheduled" such an update decides its GEMMs from the last probed update's
-# offsets instead of exact probes (:func:`probes`).
-RULE_REASONS = frozenset(
-    {
-        UpdateReason.DRIFT,
-        UpdateReason.ZERO_GRADIENT,
-        UpdateReason.EXPECTED_MAXIMUM_EXCEEDED,
-        UpdateReason.UNMEASURED_WEIGHT_BOUND,
-    }
-)
-
-
-def probes(reasons: frozenset[UpdateReason], probed_updates: str) -> bool:
-    """Whether an update run for ``reasons`` computes exact probes (:attr:`ScalingRecipe.probed_updates
-    <gs_lightning.scaling.recipe.ScalingRecipe.probed_updates>`): every update under ``"every"``; under
-    ``"scheduled"``, every one but those only rules (:data:`RULE_REASONS`) asked for."""
-    return probed_updates == "every" or not reasons or not reasons <= RULE_REASONS
-
-
 class UpdateRecord(NamedTuple):
     """One update iteration and why it ran.
 

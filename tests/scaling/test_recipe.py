@@ -26,7 +26,6 @@ from gs_lightning.scaling.underflow import cast_min_log2_scale
         ("update_interval", 0, "a positive integer"),
         ("update_interval", 2.5, "a positive integer"),
         ("lambda_min", "tiny", "'normal' or 'subnormal'"),
-        ("probed_updates", "some", "'every' or 'scheduled'"),
         ("max_total_scale", 0.5, "None or a number >= 1"),
         ("drift_tolerance_log2", 0.0, "None (the rule off) or a positive number of binades"),
         ("recompute_weight_gradients", "yes", "True or False"),
@@ -149,7 +148,7 @@ def test_the_recipe_is_saved_and_a_resume_restores_it_naming_what_differed() -> 
 # The fields as the class docstring groups them; the paper preset changes exactly the last group and the
 # two paper settings the default departs from.
 ALGORITHM_1 = {"underflow_rate", "update_interval", "lambda_min", "relu_factor", "max_layer_scale", "max_total_scale"}
-MEASUREMENT = {"exact_probes", "probe_elements", "weight_probe_elements", "weight_probe_macs", "probed_updates"}
+MEASUREMENT = {"exact_probes", "probe_elements", "weight_probe_elements", "weight_probe_macs"}
 PAPER_SILENT = {
     "weight_grad_bounds",
     "branch_sum_bound",
@@ -208,7 +207,6 @@ def test_a_field_without_effect_is_named_with_the_field_that_turns_it_off() -> N
         "weight_grad_margin_log2",
         "weight_probe_elements",
         "weight_probe_macs",
-        "probed_updates",
         "update_after_zero_gradient",
         "level_steps",
         "kept_downstream_cap",
@@ -240,7 +238,6 @@ def test_a_field_without_effect_is_named_with_the_field_that_turns_it_off() -> N
             "weight_grad_bounds",
         ),
         ({"exact_probes": False, "weight_probe_macs": 2**20}, "weight_probe_macs", "exact_probes"),
-        ({"exact_probes": False, "probed_updates": "every"}, "probed_updates", "exact_probes"),
         (
             {"drift_tolerance_log2": None, "expected_maxima_margin_log2": None, "level_steps": 4},
             "level_steps",

@@ -13,10 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gs_lightning import GradientScaler
-from gs_lightning.scaling import decide, probes
 from gs_lightning.scaling.gains import bounded_gains, node_gains
 from gs_lightning.scaling.graph import analyze, walk
-from gs_lightning.scaling.schedule import UpdateReason
 
 TARGET = 1e-3
 LAMBDA_MIN = 2.0**-14  # fp16's smallest normal, the default λmin
@@ -132,54 +130,3 @@ def test_a_product_by_a_constant_counts_as_a_gain() -> None:
     found = node_gains(graph, analyze(graph, {}))
     gains = sorted((graph.names[j], float(gain)) for j, gain in bounded_gains(found).items())
     assert gains == [("MulBackward0", 1.0), ("MulBackward0", 64.0)]  # the product by 0.5 grows nothing
-
-
-def _probed_mlp() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
-    x = torch.randn(128, 64)
-    upstream = torch.randn(128, 64) * (torch.rand(128, 64) < 0.1)  # sparse: the probes find more than Theorem 1
-    with torch.autocast("cpu", dtype=torch.float16):
-        return model, (model(x).float() * upstream).sum() * 1e-4
-
-
-def _update_on_the_same_batch(
-    reason: UpdateReason, monkeypatch: pytest.MonkeyPatch, **recipe: str
-) -> tuple[GradientScaler, list, int]:
-    """A scaler after a first update and a second that ``reason`` asks for on the same gradients, the first's layers,
-    and how many probes the second computed."""
-    model, loss = _probed_mlp()
-    scaler = GradientScaler(model, update_interval=100, **recipe)
-    scaler.backward(loss, retain_graph=True)
-    assert not scaler.found_inf  # the step's read, which reads the offsets in
-    scaler.update()
-    first = scaler.layers()
-    scaler.graphs[-1].schedule.ask(reason)
-    calls = []
-    monkeypatch.setattr(decide, "probe", lambda *args, **kwargs: calls.append(args) or probes.probe(*args, **kwargs))
-    model.zero_grad(set_to_none=True)
-    scaler.backward(loss)
-    assert not scaler.found_inf and scaler.update_iterations == 2
-    return scaler, first, len(calls)
-
-
-def test_an_update_a_rule_asks_for_decides_by_the_probe_offsets_without_probing(monkeypatch) -> None:
-    """ScalingRecipe.probed_updates: on the same gradients, an update the drift asked for computes no probe and
-    chooses every scale the probed update chose (Theorem 1 plus each GEMM's offset), where the probes had raised
-    some GEMMs above Theorem 1."""
-    scaler, first, probed = _update_on_the_same_batch(UpdateReason.DRIFT, monkeypatch)
-    second = scaler.layers()
-    assert probed == 2  # the first layer's weight and bias gradients: it sends nothing on for Theorem 1 to bound
-    assert [(layer.name, layer.log2_scale) for layer in second] == [(layer.name, layer.log2_scale) for layer in first]
-    offsets = scaler.graphs[-1].probe_offsets
-    assert len(offsets) == 2 and max(offsets.values()) > 0.5
-    assert [layer.measured_underflow is None for layer in second if layer.kind == "gemm"] == [True, True, False]
-
-
-@pytest.mark.parametrize(
-    ("reason", "recipe"),
-    [(UpdateReason.SKIPPED_STEP, {}), (UpdateReason.INTERVAL, {}), (UpdateReason.DRIFT, {"probed_updates": "every"})],
-)
-def test_a_scheduled_update_or_probed_updates_every_probes(reason: UpdateReason, recipe: dict, monkeypatch) -> None:
-    _, _, probed = _update_on_the_same_batch(reason, monkeypatch, **recipe)
-    assert probed > 0

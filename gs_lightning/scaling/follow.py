@@ -49,6 +49,10 @@ from gs_lightning.scaling.plan import ScalePlan
 from gs_lightning.scaling.walks import fed_leaves, parameter_leaves
 
 # What :meth:`LevelFollower.state_dict` keeps per GEMM node, each a dict of the follower's.
+# Values of each followed weight gradient its share of sunk values is counted on (strided): ResNet-50's step()
+# (64x64, batch 2, one CPU thread) took 70 ms counting every value, 22 ms on these, 13 ms not following.
+TAIL_SAMPLE = 2**14
+
 _PER_NODE = ("leaves", "reference", "spike", "share", "rises", "extra", "shifts")
 
 
@@ -183,8 +187,9 @@ class LevelFollower:
     ) -> tuple[list[int], torch.Tensor] | None:
         """The leaves the followed GEMMs compute of ``pending`` (the drift monitor's queued (scale, leaves,
         gradients), unscaled), and per leaf the share of its gradient's nonzero values below ``lambda_min`` at the
-        scale it was computed at, stacked on the device, unread (the step reads them with the rest): the values that
-        sank to λmin although the largest did not fall, where a few examples dominate (SSD300's heads). ``None``
+        scale it was computed at (on a strided sample of at most :data:`TAIL_SAMPLE` values), stacked on the device,
+        unread (the step reads them with the rest): the values that sank to λmin although the largest did not fall,
+        where a few examples dominate (SSD300's heads). ``None``
         where there is nothing to follow, or the scales are an update's (on the device)."""
         if self.base is None:
             return None
@@ -200,8 +205,9 @@ class LevelFollower:
             return None
         shares = []
         for _, grad, alpha in items:
-            nonzero = grad != 0
-            small = nonzero & (grad.abs() < lambda_min * 2.0**-alpha)
+            values = grad.reshape(-1)[:: math.ceil(grad.numel() / TAIL_SAMPLE) or 1]
+            nonzero = values != 0
+            small = nonzero & (values.abs() < lambda_min * 2.0**-alpha)
             shares.append(small.sum() / nonzero.sum().clamp(min=1))
         return [j for j, _, _ in items], torch.stack(shares).float()
 

@@ -208,9 +208,9 @@ class ScalingRecipe:
             own bound on them; all layers at once on the host, from what the step's one read takes
             (:mod:`~gs_lightning.scaling.follow`). Such a fall then asks for no update (the drift rule still
             asks where a GEMM's scale was held by what it sends on). Fewer update iterations where gradients
-            shrink as a run converges, for a count over every followed weight gradient at the step (on a
-            CPU, ResNet-50's ``step()`` took 70-100 ms with it against 15 ms without, 64x64, batch 2, one
-            thread).
+            shrink as a run converges, for a count over a strided sample of each followed weight gradient at
+            the step (on a CPU, ResNet-50's ``step()`` took 22 ms with it against 13 ms without, 64x64, batch
+            2, one thread).
             Off in both presets until it holds every cell of the training tables (their *GS, following the
             gradients* rows). Measured by ``python bench/compare_training.py --methods fp16-gs fp16-gs-follow``
             and ``pytest tests/scaling/test_follow.py``.

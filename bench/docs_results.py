@@ -21,9 +21,9 @@ README's ``results`` markers), from every recorded run, with no hand-edited numb
     python bench/docs_results.py --check    # exit 1 if a page differs from what the data gives
 
 A run's page follows from its command's script: ``bench/compare_training.py`` and
-``bench/ssd_finetune.py`` (training), ``bench/overhead.py`` (overhead), ``bench/memory.py`` (memory),
-``bench/update_cost.py`` (update cost), ``bench/fidelity.py`` (fidelity), ``train.py`` (the demo's
-printed output).
+``bench/ssd_finetune.py`` (training), ``bench/overhead.py`` and ``bench/gpu_estimate.py`` (overhead),
+``bench/memory.py`` (memory), ``bench/update_cost.py`` (update cost), ``bench/fidelity.py`` (fidelity),
+``train.py`` (the demo's printed output).
 """
 
 from __future__ import annotations
@@ -630,6 +630,30 @@ def overhead_section(run: Recorded) -> list[str]:
     return lines
 
 
+def gpu_estimate_section(run: Recorded) -> list[str]:
+    data, assumed = run.data, run.data["assumptions"]
+    lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
+    lines += [
+        "**An estimate, not a measurement.** Each method ran once on this CPU under a dispatch mode that counted "
+        "its aten operations (kernel launches on a GPU), their FLOPs and the bytes they read and write. The GPU "
+        f"is taken to run each kernel at its peak ({number(assumed['peak TFLOPS'])} TFLOPS, "
+        f"{number(assumed['bandwidth GB/s'])} GB/s: *device ms*, a floor) while the host dispatches the next at "
+        f"{number(assumed['host us per operation'])} µs an operation (*host ms*); an iteration takes the longer. "
+        "Python that dispatches no operation (GS's graph walk and hooks: the host breakdown above, on this CPU) "
+        "is not counted.",
+        "",
+    ]
+    lines += markdown_table(data["rows"])
+    lines += ["A run, forward included (the optimizer's step is the same for every method and left out):", ""]
+    lines += markdown_table(data["runs"])
+    lines += [
+        "On a GPU, `bash bench/gpu_check.sh` measures what this estimates: its overhead stage times these "
+        "backwards, and its full-step stage GS against GradScaler at training batch sizes.",
+        "",
+    ]
+    return lines
+
+
 def memory_section(run: Recorded) -> list[str]:
     data = run.data
     lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
@@ -741,6 +765,7 @@ SECTIONS: dict[str, Callable[[Recorded], list[str]]] = {
     "compare_training.py": training_section,
     "ssd_finetune.py": training_section,
     "overhead.py": overhead_section,
+    "gpu_estimate.py": gpu_estimate_section,
     "memory.py": memory_section,
     "update_cost.py": update_cost_section,
     "fidelity.py": fidelity_section,
@@ -811,11 +836,12 @@ PAGES = (
     Page(
         "overhead.md",
         "Overhead on the backward pass",
-        ("overhead.py",),
+        ("overhead.py", "gpu_estimate.py"),
         "`bench/overhead.py` times one backward (and the step's finiteness check) per method, methods "
         "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
         "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
-        "operations each dispatches (on a GPU, each is a kernel launch).",
+        "operations each dispatches (on a GPU, each is a kernel launch). `bench/gpu_estimate.py` turns such "
+        "counts, with FLOPs and bytes, into an estimate for a GPU, labelled as one.",
     ),
     Page(
         "memory.md",

@@ -632,20 +632,23 @@ def overhead_section(run: Recorded) -> list[str]:
 
 def gpu_estimate_section(run: Recorded) -> list[str]:
     data, assumed = run.data, run.data["assumptions"]
+    gpus = "; ".join(
+        f"{name} {number(g['peak TFLOPS'])} TFLOPS, {number(g['bandwidth GB/s'])} GB/s"
+        for name, g in assumed["GPUs"].items()
+    )
     lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
     lines += [
-        "**An estimate, not a measurement.** Each method ran once on this CPU under a dispatch mode that counted "
-        "its aten operations (kernel launches on a GPU), their FLOPs and the bytes they read and write. The GPU "
-        f"is taken to run each kernel at its peak ({number(assumed['peak TFLOPS'])} TFLOPS, "
-        f"{number(assumed['bandwidth GB/s'])} GB/s: *device ms*, a floor) while the host dispatches the next at "
-        f"{number(assumed['host us per operation'])} µs an operation (*host ms*); an iteration takes the longer. "
-        "Python that dispatches no operation (GS's graph walk and hooks: the host breakdown above, on this CPU) "
-        "is not counted.",
+        "**An estimate, not a measurement.** The forward and each method's backward and finiteness check ran once "
+        "on this CPU under a dispatch mode that counted their aten operations (kernel launches on a GPU), their "
+        f"FLOPs and the bytes they read and write. The host is taken to dispatch an operation in "
+        f"{number(assumed['host us per operation'])} µs (*host ms*), the GPU to run each kernel at its data "
+        f"sheet's peak ({gpus}: a floor), the two overlapping: a section takes the longer. Python that dispatches "
+        "no operation (GS's graph walk and hooks: the host breakdown above, on this CPU) is not counted.",
         "",
     ]
-    lines += markdown_table(data["rows"])
-    lines += ["A run, forward included (the optimizer's step is the same for every method and left out):", ""]
-    lines += markdown_table(data["runs"])
+    lines += markdown_table(data["counts"])
+    lines += ["Estimated ms per section, and a run's iteration (forward included) over GradScaler's:", ""]
+    lines += markdown_table(data["estimates"])
     lines += [
         "On a GPU, `bash bench/gpu_check.sh` measures what this estimates: its overhead stage times these "
         "backwards, and its full-step stage GS against GradScaler at training batch sizes.",

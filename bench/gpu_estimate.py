@@ -1,20 +1,20 @@
 """An estimate, labelled as one, of what GradientScaler adds to a training iteration on a GPU, from counts made here.
 
-Nothing runs on a GPU. Each method's backward and the step's finiteness check run once on the CPU under a
+Nothing runs on a GPU. The forward and each method's backward and finiteness check run once on the CPU under a
 dispatch mode that records, per aten operation (on a GPU, a kernel launch), its FLOPs (the formulas of
 ``torch.utils.flop_counter``) and the bytes of the tensors it reads and writes (a view moves none). The estimate
 takes the GPU to run its kernels while the host dispatches the next:
 
     host ms   = operations x --host-us (eager PyTorch's dispatch and launch of one operation)
-    device ms = sum over operations of max(FLOPs / --tflops, bytes / --bandwidth)  (each kernel at peak: a floor)
+    device ms = sum over operations of max(FLOPs / peak, bytes / bandwidth)  (each kernel at peak: a floor)
     estimate  = max(host ms, device ms)
 
-and a run with an update every N iterations ((N - 1) replays and one update) against GradScaler's iterations,
-each with the forward (the optimizer's step, the same for every method, is left out).
+per GPU of :data:`GPUS` (their data sheets' dense fp16 tensor-core TFLOPS and memory bandwidth; V100 and T4 have
+no bf16, the GPUs fp16 training is for), and a run with an update every N iterations ((N - 1) replays and one
+update, the forward included; the optimizer's step, the same for every method, left out) against GradScaler's.
 Not counted: Python that dispatches no operation (GS's graph walk and hook registration, measured on this CPU by
-``bench/overhead.py``'s host breakdown). The defaults describe an A100-SXM4-40GB (312 dense fp16 tensor-core
-TFLOPS, 1555 GB/s) and 8 us of host time per operation. Measured instead, on a GPU when one is lent:
-``bash bench/gpu_check.sh`` (its overhead and full-step stages time GS against GradScaler at training sizes).
+``bench/overhead.py``'s host breakdown). Measured instead, on a GPU when one is lent: ``bash bench/gpu_check.sh``
+(its overhead and full-step stages time GS against GradScaler at training sizes).
 
     python bench/gpu_estimate.py --json gpu_estimate.json    # ResNet-50, batch 16 at 128x128, fp16 autocast
     python bench/gpu_estimate.py --arch resnet18 --batch-size 2 --image-size 32 --no-autocast   # seconds
@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -39,35 +39,56 @@ from torch.utils.flop_counter import flop_registry
 from gs_lightning import GradientScaler
 
 
+@dataclass(frozen=True)
+class GPU:
+    """A GPU as the estimate sees it: dense fp16 tensor-core TFLOPS and memory bandwidth, from its data sheet."""
+
+    tflops: float
+    bandwidth_gbs: float
+
+
+GPUS = {
+    "A100-SXM4-40GB": GPU(312.0, 1555.0),
+    "V100-SXM2-32GB": GPU(125.0, 900.0),
+    "T4": GPU(65.0, 320.0),
+}
+
+
 @dataclass
 class Counts:
-    """What one iteration's backward and finiteness check dispatched."""
+    """What a section of an iteration dispatched: per operation, its FLOPs and the bytes it moved."""
 
-    operations: int = 0
-    flops: float = 0.0
-    bytes: float = 0.0
-    device_floor_ms: float = 0.0  # sum over operations of max(FLOPs / peak, bytes / bandwidth)
+    flops: list[float] = field(default_factory=list)
+    bytes: list[float] = field(default_factory=list)
+
+    @property
+    def operations(self) -> int:
+        return len(self.flops)
+
+    def device_floor_ms(self, gpu: GPU) -> float:
+        """Sum over operations of max(FLOPs / peak, bytes / bandwidth): each kernel at the GPU's peak."""
+        peak, bandwidth = gpu.tflops * 1e12, gpu.bandwidth_gbs * 1e9
+        return sum(max(f / peak, b / bandwidth) for f, b in zip(self.flops, self.bytes)) * 1e3
+
+    def estimate_ms(self, gpu: GPU, host_us: float) -> float:
+        """The longer of the host's dispatch (``host_us`` per operation) and the device's floor."""
+        return max(self.operations * host_us * 1e-3, self.device_floor_ms(gpu))
 
 
 class _Counter(TorchDispatchMode):
-    """Counts operations, FLOPs and bytes, and the roofline floor of each, while active."""
+    """Records each operation's FLOPs and the bytes of the tensors it reads and writes, while active."""
 
-    def __init__(self, tflops: float, bandwidth_gbs: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.counts = Counts()
-        self.peak, self.bandwidth = tflops * 1e12, bandwidth_gbs * 1e9
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        moved = 0.0 if func.is_view else float(sum(_nbytes(t) for t in tree_leaves((args, kwargs, out))))
-        counts = self.counts
-        counts.operations += 1
-        counts.flops += flops
-        counts.bytes += moved
-        counts.device_floor_ms += max(flops / self.peak, moved / self.bandwidth) * 1e3
+        self.counts.flops.append(float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0)
+        moved = 0 if func.is_view else sum(_nbytes(t) for t in tree_leaves((args, kwargs, out)))
+        self.counts.bytes.append(float(moved))
         return out
 
 
@@ -75,18 +96,27 @@ def _nbytes(value: object) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def count(run: Callable[[], None], tflops: float, bandwidth_gbs: float) -> Counts:
+def count(run: Callable[[], object]) -> Counts:
     """Run ``run`` once under the counting mode: its :class:`Counts`."""
-    counter = _Counter(tflops, bandwidth_gbs)
+    counter = _Counter()
     with counter:
         run()
     return counter.counts
 
 
-def estimate(counts: Counts, host_us: float) -> dict[str, float]:
-    """The estimated host, device and iteration milliseconds of ``counts`` (module docstring)."""
-    host = counts.operations * host_us * 1e-3
-    return {"host ms": host, "device ms": counts.device_floor_ms, "estimate ms": max(host, counts.device_floor_ms)}
+def estimates(counted: dict[str, Counts], gpus: dict[str, GPU], host_us: float, every: list[int]) -> list[dict]:
+    """Per GPU: each section's estimated ms, and per N of ``every`` a run's iteration with an update every N
+    iterations against GradScaler's (module docstring)."""
+    rows = []
+    for name, gpu in gpus.items():
+        ms = {section: counts.estimate_ms(gpu, host_us) for section, counts in counted.items()}
+        forward, amp = ms["forward"], ms["forward"] + ms["GradScaler"]
+        row = {"GPU": name, **{f"{section} ms": value for section, value in ms.items()}}
+        for n in every:
+            gs = forward + ((n - 1) * ms["GS between updates"] + ms["GS update iteration"]) / n
+            row[f"GS ÷ GradScaler, an update every {n}"] = gs / amp
+        rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,8 +127,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-autocast", action="store_true", help="fp32 (default: fp16 autocast, as on a GPU)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--host-us", type=float, default=8.0, help="host time per operation on the GPU's host")
-    parser.add_argument("--tflops", type=float, default=312.0, help="the GPU's peak TFLOPS")
-    parser.add_argument("--bandwidth", type=float, default=1555.0, help="the GPU's memory bandwidth, GB/s")
     parser.add_argument("--update-every", type=int, nargs="+", default=[100, 8], help="runs to estimate")
     parser.add_argument("--json", metavar="FILE", help="write the settings, counts and estimates here as JSON")
     args = parser.parse_args(argv)
@@ -118,8 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     amp = torch.amp.GradScaler("cpu")
     update = GradientScaler(model, update_interval=1)
     replay = GradientScaler(model, update_interval=10**9)
-    replay.backward(loss())  # its one update: every later backward replays it
-    gradient_scaling_check(replay)
+    for scaler in (replay, update):  # the replay's one update; the update's one-time work (analysis, caches)
+        scaler.backward(loss())
+        gradient_scaling_check(scaler)
 
     def grad_scaler(value: torch.Tensor) -> None:
         amp.scale(value).backward()
@@ -135,69 +164,46 @@ def main(argv: list[str] | None = None) -> dict:
         "GS update iteration": partial(gradient_scaling, update),
         "GS between updates": partial(gradient_scaling, replay),
     }
-    counted: dict[str, Counts] = {"forward (every method's)": count(loss, args.tflops, args.bandwidth)}
-    update.backward(loss())  # its one-time work (the first analysis, caches) is no iteration's
-    gradient_scaling_check(update)
-    for name, backward in methods.items():
-        counted[name] = count(partial(backward, loss()), args.tflops, args.bandwidth)
-    rows = []
-    for name, counts in counted.items():
-        rows.append(
-            {
-                "method": name,
-                "aten ops": counts.operations,
-                "GFLOP": counts.flops / 1e9,
-                "GB moved": counts.bytes / 1e9,
-                **{f"{k} (estimate)": v for k, v in estimate(counts, args.host_us).items()},
-            }
-        )
-    by_name = {row["method"]: row["estimate ms (estimate)"] for row in rows}
-    forward = by_name["forward (every method's)"]
-    runs = [
+    counted = {"forward": count(loss)}
+    counted.update({name: count(partial(backward, loss())) for name, backward in methods.items()})
+    host_us = args.host_us
+    counts = [
         {
-            "run": f"GS, an update every {n} iterations",
-            "iteration ms (estimate)": forward
-            + ((n - 1) * by_name["GS between updates"] + by_name["GS update iteration"]) / n,
-            "GradScaler iteration ms (estimate)": forward + by_name["GradScaler"],
+            "section": section,
+            "aten ops": c.operations,
+            "GFLOP": sum(c.flops) / 1e9,
+            "GB moved": sum(c.bytes) / 1e9,
+            "host ms (estimate)": c.operations * host_us * 1e-3,
         }
-        for n in args.update_every
+        for section, c in counted.items()
     ]
-    for run in runs:
-        run["÷ GradScaler (estimate)"] = run["iteration ms (estimate)"] / run["GradScaler iteration ms (estimate)"]
-    settings = {
-        "arch": args.arch,
-        "batch size": args.batch_size,
-        "image size": args.image_size,
-        "autocast fp16": not args.no_autocast,
-        "threads": args.threads,
-        "torch": torch.__version__,
-    }
-    assumptions = {
-        "host us per operation": args.host_us,
-        "peak TFLOPS": args.tflops,
-        "bandwidth GB/s": args.bandwidth,
-    }
+    rows = estimates(counted, GPUS, host_us, args.update_every)
     result = {
-        "settings": settings,
-        "assumptions": assumptions,
-        "rows": rows,
-        "runs": runs,
-        "counts": {k: asdict(v) for k, v in counted.items()},
+        "settings": {
+            "arch": args.arch,
+            "batch size": args.batch_size,
+            "image size": args.image_size,
+            "autocast fp16": not args.no_autocast,
+            "threads": args.threads,
+            "torch": torch.__version__,
+        },
+        "assumptions": {
+            "host us per operation": host_us,
+            "GPUs": {name: {"peak TFLOPS": g.tflops, "bandwidth GB/s": g.bandwidth_gbs} for name, g in GPUS.items()},
+        },
+        "counts": counts,
+        "estimates": rows,
     }
-    print(
-        f"{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, "
-        f"{'fp32' if args.no_autocast else 'fp16 autocast'}: an ESTIMATE for a GPU "
-        f"({args.tflops:g} TFLOPS, {args.bandwidth:g} GB/s, {args.host_us:g} us per operation)\n"
-    )
-    for row in rows:
+    precision = "fp32" if args.no_autocast else "fp16 autocast"
+    print(f"{args.arch}, batch {args.batch_size} at {args.image_size}x{args.image_size}, {precision}: counted here\n")
+    for row in counts:
         print(
-            f"{row['method']:22s} {row['aten ops']:6d} ops {row['GFLOP']:8.1f} GFLOP {row['GB moved']:7.2f} GB  "
-            f"host {row['host ms (estimate)']:7.2f} ms  device {row['device ms (estimate)']:7.2f} ms  "
-            f"-> {row['estimate ms (estimate)']:7.2f} ms"
+            f"{row['section']:22s} {row['aten ops']:6d} ops {row['GFLOP']:8.1f} GFLOP {row['GB moved']:7.2f} GB  "
+            f"host {row['host ms (estimate)']:7.2f} ms at {host_us:g} us an operation"
         )
-    for run in runs:
-        ms, ratio = run["iteration ms (estimate)"], run["÷ GradScaler (estimate)"]
-        print(f"{run['run']}: {ms:.2f} ms, {ratio:.3f}x GradScaler's")
+    print("\nESTIMATED for a GPU (ms: the longer of host and device):\n")
+    for row in rows:
+        print("  ".join(f"{k} {v:.3g}" if isinstance(v, float) else str(v) for k, v in row.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,30 +9,24 @@ import torch
 def test_a_matrix_product_counts_its_flops_and_the_bytes_it_reads_and_writes(bench_module) -> None:
     estimate = bench_module("gpu_estimate")
     a, b = torch.randn(64, 32), torch.randn(32, 16)
-    counts = estimate.count(lambda: a @ b, tflops=1.0, bandwidth_gbs=1.0)
+    counts = estimate.count(lambda: a @ b)
     assert counts.operations == 1
-    assert counts.flops == 2 * 64 * 32 * 16
-    assert counts.bytes == 4 * (64 * 32 + 32 * 16 + 64 * 16)
-    assert counts.device_floor_ms == pytest.approx(max(counts.flops / 1e12, counts.bytes / 1e9) * 1e3)
-    assert estimate.count(lambda: a.t(), 1.0, 1.0).bytes == 0  # a view moves nothing
+    assert counts.flops == [2 * 64 * 32 * 16]
+    assert counts.bytes == [4 * (64 * 32 + 32 * 16 + 64 * 16)]
+    gpu = estimate.GPU(tflops=1.0, bandwidth_gbs=1.0)
+    assert counts.device_floor_ms(gpu) == pytest.approx(max(counts.flops[0] / 1e12, counts.bytes[0] / 1e9) * 1e3)
+    assert counts.estimate_ms(gpu, host_us=1e6) == 1e3  # a host slower than the device: the host's time
+    assert estimate.count(lambda: a.t()).bytes == [0.0]  # a view moves nothing
 
 
-def test_the_estimate_is_the_longer_of_host_and_device_and_a_run_mixes_updates_and_replays(bench_module) -> None:
+def test_a_run_mixes_replays_and_one_update_against_gradscalers_iterations(bench_module) -> None:
     estimate = bench_module("gpu_estimate")
     result = estimate.main(["--arch", "resnet18", "--batch-size", "2", "--image-size", "32", "--no-autocast"])
-    rows = {row["method"]: row for row in result["rows"]}
-    ops = {name: row["aten ops"] for name, row in rows.items()}
+    ops = {row["section"]: row["aten ops"] for row in result["counts"]}
     assert ops["GS update iteration"] > ops["GS between updates"] > ops["GradScaler"] > ops["plain backward"]
-    for row in rows.values():
-        host = row["aten ops"] * 8e-3
-        assert row["host ms (estimate)"] == pytest.approx(host)
-        assert row["estimate ms (estimate)"] == max(host, row["device ms (estimate)"])
-    ms = {name: row["estimate ms (estimate)"] for name, row in rows.items()}
-    forward = ms["forward (every method's)"]
-    every_100 = result["runs"][0]
-    assert every_100["iteration ms (estimate)"] == pytest.approx(
-        forward + (99 * ms["GS between updates"] + ms["GS update iteration"]) / 100
-    )
-    assert every_100["÷ GradScaler (estimate)"] == pytest.approx(
-        every_100["iteration ms (estimate)"] / (forward + ms["GradScaler"])
-    )
+    assert [row["GPU"] for row in result["estimates"]] == list(estimate.GPUS)
+    for row in result["estimates"]:
+        forward, replay, update = row["forward ms"], row["GS between updates ms"], row["GS update iteration ms"]
+        assert row["GS ÷ GradScaler, an update every 100"] == pytest.approx(
+            (forward + (99 * replay + update) / 100) / (forward + row["GradScaler ms"])
+        )

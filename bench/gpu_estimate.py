@@ -31,7 +31,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import torchvision
-from overhead import grad_scaler_check, gradient_scaling_check
+from overhead import backward_methods, gradient_scaling_check
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -150,20 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         scaler.backward(loss())
         gradient_scaling_check(scaler)
 
-    def grad_scaler(value: torch.Tensor) -> None:
-        amp.scale(value).backward()
-        grad_scaler_check(amp, optimizer)
-
-    def gradient_scaling(scaler: GradientScaler, value: torch.Tensor) -> None:
-        scaler.backward(value)
-        gradient_scaling_check(scaler)
-
-    methods: dict[str, Callable[[torch.Tensor], None]] = {
-        "plain backward": lambda value: value.backward(),
-        "GradScaler": grad_scaler,
-        "GS update iteration": partial(gradient_scaling, update),
-        "GS between updates": partial(gradient_scaling, replay),
-    }
+    methods = backward_methods(amp, optimizer, update, replay)
     counted = {"forward": count(loss)}
     counted.update({name: count(partial(backward, loss())) for name, backward in methods.items()})
     host_us = args.host_us

@@ -88,6 +88,30 @@ def gradient_scaling_check(scaler: GradientScaler) -> None:
     scaler.update()
 
 
+def gradient_scaling(scaler: GradientScaler, value: torch.Tensor) -> None:
+    """A GS iteration's backward and the step's read."""
+    scaler.backward(value)
+    gradient_scaling_check(scaler)
+
+
+def backward_methods(
+    amp: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, update: GradientScaler, replay: GradientScaler
+) -> dict[str, Callable[[torch.Tensor], None]]:
+    """Name -> what each compared method does with a loss: its backward and the check its step makes. ``update``
+    decides on every backward; ``replay`` has decided once and replays."""
+
+    def grad_scaler(value: torch.Tensor) -> None:
+        amp.scale(value).backward()
+        grad_scaler_check(amp, optimizer)
+
+    return {
+        "plain backward": lambda value: value.backward(),
+        "GradScaler": grad_scaler,
+        "GS update iteration": partial(gradient_scaling, update),
+        "GS between updates": partial(gradient_scaling, replay),
+    }
+
+
 def count_ops(fn: Callable[[], None]) -> int:
     """Number of aten operations ``fn`` dispatches."""
     with _OpCounter() as counter:
@@ -202,20 +226,7 @@ def main() -> None:
         gs_kept_nothing = GradientScaler(model, update_interval=10**9, recompute_weight_gradients=False)
         gs_kept_nothing.backward(loss())
 
-    def grad_scaler(value: torch.Tensor) -> None:
-        amp.scale(value).backward()
-        grad_scaler_check(amp, optimizer)
-
-    def gradient_scaling(scaler: GradientScaler, value: torch.Tensor) -> None:
-        scaler.backward(value)
-        gradient_scaling_check(scaler)
-
-    methods: dict[str, Callable[[torch.Tensor], None]] = {
-        "plain backward": lambda value: value.backward(),
-        "GradScaler": grad_scaler,
-        "GS update iteration": partial(gradient_scaling, gs_update),
-        "GS between updates": partial(gradient_scaling, gs_reuse),
-    }
+    methods = backward_methods(amp, optimizer, gs_update, gs_reuse)
     if gs_kept_nothing is not None:
         methods["GS between updates, no fp32 recompute"] = partial(gradient_scaling, gs_kept_nothing)
     times: dict[str, list[float]] = {name: [] for name in methods}

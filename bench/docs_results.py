@@ -913,10 +913,11 @@ def headline(runs: list[Recorded]) -> list[str]:
                     if method in group
                 ]
                 if "GS" in group and len(cells) > 1:
-                    oracle = group["GS"].get("oracle_underflow")
+                    oracle, ratio = group["GS"].get("oracle_underflow"), group["GS"].get(TIME_RATIO)
                     floor = (
                         f" (per-tensor oracle on GS's run: {number(oracle, 'underflow')})" if oracle is not None else ""
                     )
+                    floor += f"; GS's run time {ratio:.2f}× the dynamic loss scale's" if ratio is not None else ""
                     rows.append(
                         (
                             f"{TASK_TITLES.get(task, task)}, {grads} gradients: skipped steps, GEMM-gradient underflow",
@@ -933,6 +934,18 @@ def headline(runs: list[Recorded]) -> list[str]:
                 (
                     f"{what}: time against a plain backward",
                     "; ".join(f"{r['method']} {r['ratio vs plain']:.2f}×" for r in run.data["rows"][1:]),
+                    "overhead.md",
+                )
+            )
+        elif run.script == "gpu_estimate.py":
+            settings, every = run.data["settings"], run.data["estimates"][0]
+            key = next(k for k in every if k.startswith("GS ÷ GradScaler"))
+            rows.append(
+                (
+                    f"ESTIMATE for a GPU, not a measurement: {settings['arch']} batch {settings['batch size']} at "
+                    f"{settings['image size']}², an iteration with GS against GradScaler's, "
+                    f"{key.removeprefix('GS ÷ GradScaler, ')} iterations",
+                    "; ".join(f"{r['GPU']} {r[key]:.2f}×" for r in run.data["estimates"]),
                     "overhead.md",
                 )
             )

@@ -360,6 +360,12 @@ class GradientDrift:
         self.recent = [{int(leaf): float(value) for leaf, value in step} for step in state.get("recent", [])]
 
 
+def fused_inf_norm(device: torch.device) -> bool:
+    """Whether :func:`largest_magnitudes` takes the maxima on ``device`` in one fused ``_foreach_norm(ord=inf)``
+    (everywhere but on a CPU; ``bench/gpu_estimate.py`` counts a GPU's path on a CPU through it)."""
+    return device.type != "cpu"
+
+
 def largest_magnitudes(grads: list[torch.Tensor]) -> torch.Tensor:
     """Each dense gradient's largest magnitude, in one vector on the first one's device, nothing read: inf or
     NaN exactly where the gradient holds one (the reductions propagate NaN), so the same values check it.
@@ -374,7 +380,7 @@ def largest_magnitudes(grads: list[torch.Tensor]) -> torch.Tensor:
     parts, order = [], []
     for device, positions in by_device.items():
         group = [grads[k] for k in positions]
-        if device.type != "cpu":
+        if fused_inf_norm(device):
             part = torch.stack(torch._foreach_norm(group, math.inf)).float()
         else:
             extremes = [v for g in group for v in (torch.aminmax(g) if g.numel() else (g.new_zeros(()),) * 2)]

@@ -633,8 +633,7 @@ def overhead_section(run: Recorded) -> list[str]:
 def gpu_estimate_section(run: Recorded) -> list[str]:
     data, assumed = run.data, run.data["assumptions"]
     gpus = "; ".join(
-        f"{name} {number(g['peak TFLOPS'])} TFLOPS, {number(g['bandwidth GB/s'])} GB/s"
-        for name, g in assumed["GPUs"].items()
+        f"{name} {g['peak TFLOPS']:g} TFLOPS, {g['bandwidth GB/s']:g} GB/s" for name, g in assumed["GPUs"].items()
     )
     lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
     lines += [
@@ -643,7 +642,8 @@ def gpu_estimate_section(run: Recorded) -> list[str]:
         f"FLOPs and the bytes they read and write. The host is taken to dispatch an operation in "
         f"{number(assumed['host us per operation'])} µs (*host ms*), the GPU to run each kernel at its data "
         f"sheet's peak ({gpus}: a floor), the two overlapping: a section takes the longer. Python that dispatches "
-        "no operation (GS's graph walk and hooks: the host breakdown above, on this CPU) is not counted.",
+        "no operation (GS's graph walk and hooks: this page's host breakdown, measured on this CPU) is not "
+        "counted.",
         "",
     ]
     lines += markdown_table(data["counts"])

@@ -4,6 +4,7 @@ synchronisation."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 
 import torch
@@ -83,25 +84,26 @@ class DeviceRead:
     def read(self) -> dict[Hashable, list[float]]:
         """Every key's values, in one synchronisation; float64 keeps integer counts exact.
 
-        Synchronises with the device (one ``tolist``), once, where anything was put. The 0-dim tensors
-        (most of an update's: one per decision) go in one ``stack``, without a view each.
+        Synchronises with the device (one ``tolist``), once, where anything was put. The 0-dim tensors (most of an
+        update's: a few per decision) go in one ``stack`` per dtype, converted once: a few operations in all, not
+        one per value.
         """
         tensors = [t for part in self._parts.values() for t in part]
-        scalars = [t for t in tensors if t.dim() == 0]
-        vectors = [t.reshape(-1) for t in tensors if t.dim() != 0]
         if not tensors:
             return {key: [] for key in self._parts}
         device = tensors[0].device
-        pieces = [torch.stack([t.to(device, torch.float64) for t in scalars])] if scalars else []
-        values = torch.cat(pieces + [t.to(device, torch.float64) for t in vectors]).tolist()  # the one sync
-        scalar_values, vector_values = iter(values[: len(scalars)]), iter(values[len(scalars) :])
-        by_key = {}
-        for key, part in self._parts.items():
-            by_key[key] = [
-                value
-                for t in part
-                for value in (
-                    [next(scalar_values)] if t.dim() == 0 else [next(vector_values) for _ in range(t.numel())]
-                )
-            ]
-        return by_key
+        scalars: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+        for k, t in enumerate(tensors):
+            if t.dim() == 0:
+                scalars[t.device, t.dtype].append(k)
+        pieces = [torch.stack([tensors[k] for k in group]).to(device, torch.float64) for group in scalars.values()]
+        vectors = [k for k, t in enumerate(tensors) if t.dim() != 0]
+        pieces += [tensors[k].reshape(-1).to(device, torch.float64) for k in vectors]
+        values = iter(torch.cat(pieces).tolist())  # the one sync
+        by_tensor: list[list[float]] = [[] for _ in tensors]
+        for k in (k for group in scalars.values() for k in group):
+            by_tensor[k] = [next(values)]
+        for k in vectors:
+            by_tensor[k] = [next(values) for _ in range(tensors[k].numel())]
+        positions = iter(range(len(tensors)))
+        return {key: [v for _ in part for v in by_tensor[next(positions)]] for key, part in self._parts.items()}

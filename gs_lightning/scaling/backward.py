@@ -128,7 +128,7 @@ class ScaledBackwards:
     @property
     def lambda_min(self) -> float:
         """λmin of the underflow model."""
-        return self.format.normal_min if self.recipe.lambda_min == "normal" else self.format.subnormal_min
+        return self.format.lambda_min(self.recipe.lambda_min)
 
     @property
     def lambda_lost(self) -> float:

@@ -27,6 +27,11 @@ class FloatFormat:
     max: float
     saturates: bool = False
 
+    def lambda_min(self, which: str) -> float:
+        """λmin of the underflow model: :attr:`normal_min` for ``"normal"``, :attr:`subnormal_min` for
+        ``"subnormal"`` (:attr:`ScalingRecipe.lambda_min <gs_lightning.scaling.recipe.ScalingRecipe.lambda_min>`)."""
+        return self.normal_min if which == "normal" else self.subnormal_min
+
 
 FORMATS: dict[torch.dtype, FloatFormat] = {
     torch.float16: FloatFormat("float16", 2.0**-24, 2.0**-14, 65504.0),

@@ -114,12 +114,7 @@ class GradientScaler:
         self._attached = AttachedModels()
         self._backoff = SkipBackoff(self.recipe)
         # Keeps what the replay needs to recompute weight gradients that overflow.
-        self._read = StepRead(
-            WeightGradRecompute(self.format.max),
-            self.format.max,
-            self.recipe,
-            self.format.normal_min if self.recipe.lambda_min == "normal" else self.format.subnormal_min,
-        )
+        self._read = StepRead(WeightGradRecompute(self.format.max), self.format, self.recipe)
         self._backwards = ScaledBackwards(
             self.recipe,
             self.format,

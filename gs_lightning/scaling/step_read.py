@@ -19,6 +19,7 @@ import torch
 from gs_lightning.scaling.bounds import expected_total
 from gs_lightning.scaling.drift import largest_magnitudes, within_margin
 from gs_lightning.scaling.finite import unscale_and_check_
+from gs_lightning.scaling.formats import FloatFormat
 from gs_lightning.scaling.gradient_stats import DeviceRead
 from gs_lightning.scaling.graph_scales import GraphScales
 from gs_lightning.scaling.profiled import profiled
@@ -35,7 +36,7 @@ class StepRead:
 
     Args:
         recompute: What the replay of the loss's graph kept to recompute weight gradients that overflow.
-        lambda_max: λmax of the gradients' format.
+        fmt: The gradients' format (its λmax; its λmin as the recipe names it).
         recipe: The scaler's recipe (:attr:`ScalingRecipe.expected_maxima_margin_log2` and
             :attr:`ScalingRecipe.expect_surprise_within_margin` are read here); the scaler replaces it
             where a checkpoint's is restored.
@@ -45,16 +46,23 @@ class StepRead:
         recomputed_steps: Steps taken although a weight gradient overflowed: it was recomputed in fp32.
     """
 
-    def __init__(
-        self, recompute: WeightGradRecompute, lambda_max: float, recipe: ScalingRecipe, lambda_min: float = 2.0**-14
-    ) -> None:
+    def __init__(self, recompute: WeightGradRecompute, fmt: FloatFormat, recipe: ScalingRecipe) -> None:
         self.recompute = recompute
-        self.lambda_max = lambda_max
-        self.lambda_min = lambda_min
+        self.format = fmt
         self.recipe = recipe
         self.recompute_graph: GraphScales | None = None
         self.recomputed_steps = 0
         self._unread: list[GraphScales] = []
+
+    @property
+    def lambda_max(self) -> float:
+        """λmax of the gradients' format."""
+        return self.format.max
+
+    @property
+    def lambda_min(self) -> float:
+        """λmin of the underflow model, as the recipe (restored with a checkpoint's too) names it."""
+        return self.format.lambda_min(self.recipe.lambda_min)
 
     def queue(self, graph: GraphScales) -> None:
         """A backward of ``graph`` ended: the next read takes the maxima its drift monitor queued."""

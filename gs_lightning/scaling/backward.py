@@ -33,7 +33,7 @@ from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
-from gs_lightning.scaling.walks import leaf_variables
+from gs_lightning.scaling.walks import format_bounded_leaves, leaf_variables
 from gs_lightning.scaling.weak import weakly
 
 
@@ -251,7 +251,9 @@ class ScaledBackwards:
         run = (
             None
             if replay
-            else UpdateRun(graph, analysis, self._settings(path, scales), leaves, self.warn_once, root_alpha)
+            else UpdateRun(
+                graph, analysis, self._settings(graph, analysis, path, scales), leaves, self.warn_once, root_alpha
+            )
         )
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales, reasons)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
@@ -311,7 +313,7 @@ class ScaledBackwards:
                 deferred.append(j)
         return frozenset(deferred)
 
-    def _settings(self, path: Path, scales: GraphScales) -> Settings:
+    def _settings(self, graph: AutogradGraph, analysis: GraphAnalysis, path: Path, scales: GraphScales) -> Settings:
         # Not where a compiled module replays the scales (its graph keeps nothing to recompute from),
         # nor in a format that saturates instead of overflowing.
         recipe = self.recipe
@@ -321,7 +323,9 @@ class ScaledBackwards:
         expected, levels = (
             ({}, {})
             if self.format.saturates or path or recipe.expected_maxima_margin_log2 is None
-            else scales.drift.expect()
+            else scales.drift.expect(
+                analysis.derive("format-bounded leaves", lambda: format_bounded_leaves(graph, analysis))
+            )
         )
         return Settings(
             underflow_rate=recipe.underflow_rate,

@@ -43,7 +43,7 @@ import math
 import statistics
 from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
@@ -304,10 +304,11 @@ class GradientDrift:
         self._pending.clear()
         self._update = False
 
-    def expect(self) -> tuple[dict[int, float], dict[int, float]]:
+    def expect(self, bounded: Collection[int] | None = None) -> tuple[dict[int, float], dict[int, float]]:
         """Leaf index -> how large its gradient's largest value is expected to get on the coming batches, and
         leaf index -> its level now, without the spikes; the first is kept (:attr:`expected`), so that a
-        batch above it asks for the next update.
+        batch above it asks for the next update. Only of the leaves ``bounded`` names, where given: those whose
+        gradients the format can overflow (:func:`~gs_lightning.scaling.walks.format_bounded_leaves`).
 
         The level is the median of its last :attr:`level_steps` log2 maxima; the expected maximum adds
         the largest spike in the window (how far one step's value rose above the median of the
@@ -320,7 +321,8 @@ class GradientDrift:
         9-12 ms on the 2-core development machine, one thread, against 25-34 ms for the two computed
         apart, the same values).
         """
-        leaves = sorted(set().union(*self.recent))
+        seen = set().union(*self.recent)
+        leaves = sorted(seen if bounded is None else seen.intersection(bounded))
         if not leaves:
             self.expected = {}
             return {}, {}

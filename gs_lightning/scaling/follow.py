@@ -72,7 +72,10 @@ class LevelFollower:
         share: GEMM node -> the share of :attr:`spike` that bounds it (less than 1 where they are recomputed).
         rises: GEMM node -> whether it follows its level (its scale met γ' or was held by its parameter gradients).
         extra: GEMM node -> binades added to its level's fall where its weight gradients' values sank below λmin.
-        shifts: GEMM node -> binades its accumulated scale is raised by now (0 left out).
+        shifts: GEMM node -> binades its accumulated scale is moved by now (0 left out): raised as its level fell,
+            lowered where a spike took its parameter gradients above the update's bound on them.
+        highest: GEMM node -> the highest accumulated scale the last step's :meth:`follow` left it (the update's
+            bound on its parameter gradients at their level and spikes, within its caps).
         unfollowed: Whether the last step found the level of a GEMM that does not follow it a binade lower.
     """
 
@@ -86,6 +89,7 @@ class LevelFollower:
     extra: dict[int, int] = field(default_factory=dict)
     shifts: dict[int, int] = field(default_factory=dict)
     unfollowed: bool = False
+    highest: dict[int, int] = field(default_factory=dict)
     _kept: tuple[tuple, dict[int, int]] | None = field(default=None, repr=False)
 
     def rebase(
@@ -150,6 +154,7 @@ class LevelFollower:
         computed at (:meth:`tail_shares`, as read); a GEMM with one above ``underflow_rate`` gets one binade
         more (:attr:`extra`) on top of its level's fall, kept until the next update.
         """
+        self.highest = {}
         if self.base is None or not recent:
             return None
         totals, highest, raises, self.unfollowed = self.base.alpha_out, {}, {}, False
@@ -163,11 +168,13 @@ class LevelFollower:
             log2_level = math.log2(level)
             self.spike[g] = max(self.spike[g], math.log2(largest) - log2_level)
             highest[g] = min(highest_total(log2_level + self.share[g] * self.spike[g]), caps.get(g, math.inf))
-            fell = max(math.floor(reference - log2_level), 0)
+            fell, room = max(math.floor(reference - log2_level), 0), highest[g] - total
             if not self.rises[g]:
                 self.unfollowed |= tolerance_log2 is not None and fell >= tolerance_log2
+                if room < 0:  # a spike above the bound: lowered to it, as an update expecting it would
+                    raises[g] = room
                 continue
-            room, extra = highest[g] - total, self.extra.get(g, 0)
+            extra = self.extra.get(g, 0)
             # values that sank although the level stayed (a fall explains its own: the raise below takes it in)
             settled = fell <= self.shifts.get(g, 0) - extra
             if settled and fell < room and max((tails or {}).get(j, 0.0) for j in leaves) > underflow_rate:
@@ -175,12 +182,24 @@ class LevelFollower:
             raises[g] = min(fell + self.extra.get(g, 0), room)
         if kept_downstream_cap and any(up > 0 for up in raises.values()):
             kept = self._kept_downstream(analysis, highest)
-            raises = {g: min(up, kept.get(g, math.inf) - totals[g]) for g, up in raises.items()}
-        shifts = {g: int(up) for g, up in raises.items() if up > 0}
+            raises = {g: min(up, kept.get(g, math.inf) - totals[g]) if up > 0 else up for g, up in raises.items()}
+        self.highest = highest
+        shifts = {g: int(up) for g, up in raises.items() if up != 0}
         if shifts == self.shifts:
             return None
         self.shifts = shifts
         return shifted_plan(self.base, shifts, analysis.derive("decision nodes", lambda: decision_nodes(analysis)))
+
+    def bounds(self, leaf: int) -> bool:
+        """Whether the last :meth:`follow` bounded every GEMM that computes ``leaf``'s gradient by its level and
+        spikes, this step's largest value included: a rise above what the last update expected of it is taken in
+        by the shifts, as the update it would ask for would lower those GEMMs to that bound (``False`` where no
+        followed GEMM computes it: a normalisation's weight behind a branch's sum)."""
+        totals = self.base.alpha_out if self.base is not None else {}
+        gemms = [g for g, leaves in self.leaves.items() if leaf in leaves]
+        return bool(gemms) and all(
+            g in self.highest and totals[g] + self.shifts.get(g, 0) <= self.highest[g] for g in gemms
+        )
 
     def tail_shares(
         self, pending: list[tuple[int | torch.Tensor, tuple[int, ...], list[torch.Tensor]]], lambda_min: float

@@ -188,24 +188,31 @@ class StepRead:
 
     def _surprise_within_margin(self, graph: GraphScales, followed: bool) -> bool:
         """Where weight gradients rising above what the last update expected of them is all that asks for an
-        update, and each is computed at a scale an update expecting it would allow (the margin above
-        expected maxima intact, :func:`~gs_lightning.scaling.drift.within_margin`): expect those values
-        from now on, without an update. Whether it did.
+        update, and each is computed at a scale an update expecting it would allow: expect those values from now
+        on, without an update. Whether it did.
 
-        The update such a rise asked for before would not lower those layers on its account: SegNet's
-        updates were 40 of 47 of these, 0.01-0.62 binades above what was expected
-        (:attr:`ScalingRecipe.expect_surprise_within_margin`).
+        A gradient's scale allows it where the follower bounded its GEMMs by it this step (``followed``:
+        :meth:`LevelFollower.bounds <gs_lightning.scaling.follow.LevelFollower.bounds>`, lowering them where it
+        had to), or where the margin above expected maxima is intact
+        (:func:`~gs_lightning.scaling.drift.within_margin`;
+        :attr:`ScalingRecipe.expect_surprise_within_margin`): the update such a rise asked for before would not
+        lower those layers on its account (SegNet's updates were 40 of 47 of these, 0.01-0.62 binades above what
+        was expected).
         """
         reading, margin_log2 = graph.drift.last, self.recipe.expected_maxima_margin_log2
-        if not self.recipe.expect_surprise_within_margin or margin_log2 is None:
+        if margin_log2 is None:
             return False
         plan, analysis = graph.plans.get(()), graph.analyses.get(())
         shrank = reading.shrank and not followed  # a shrink the follower took in asks for nothing
         if not reading.surprised or reading.non_finite or shrank or plan is None or analysis is None:
             return False
-        highest_total = partial(expected_total, lambda_max=self.lambda_max, margin_log2=margin_log2)
-        if not within_margin(analysis, plan, reading.surprised, highest_total):
-            return False
+        unbounded = {j: v for j, v in reading.surprised.items() if not (followed and graph.follower.bounds(j))}
+        if unbounded:
+            highest_total = partial(expected_total, lambda_max=self.lambda_max, margin_log2=margin_log2)
+            if not self.recipe.expect_surprise_within_margin or not within_margin(
+                analysis, plan, unbounded, highest_total
+            ):
+                return False
         graph.drift.raise_expected(reading.surprised)
         return True
 

@@ -1,4 +1,4 @@
-"""Between updates: each GEMM's scale follows its weight gradients' level down, decided at the step for every layer.
+"""Between updates: each GEMM's scale follows its weight gradients' level and spikes, decided at the step for every layer.
 
 An update decides every scale from one batch; the gradients then shrink as a run converges, and the values
 the update kept above λmin sink towards it. The drift rule answered that with another update (the costly
@@ -18,8 +18,9 @@ chose the accumulated scale ``T`` when its parameter gradients were at level ``r
   γ' of a weight gradient's nonzero values sit below λmin at its scale (counted at the step with the largest
   magnitudes, :meth:`LevelFollower.tail_shares`), the GEMM gets one binade more on top of its level's fall,
   kept until the next update;
-* it never goes below ``T``: a rise above what the update expected is the expected-maxima rule's, which asks
-  for an update where the margin no longer holds;
+* where the level or a spike rose above that bound, the GEMM is lowered to it, as an update expecting those
+  values would lower it: the rise above what the update expected then asks for no update
+  (:meth:`LevelFollower.bounds`);
 * only a GEMM whose scale met γ' at the update, or was held by its own parameter gradients, follows them: where
   another bound held it (what it sends on, a cap), a level a binade lower asks for an update, as the drift
   rule does (:attr:`LevelFollower.unfollowed`).
@@ -58,7 +59,7 @@ _PER_NODE = ("leaves", "reference", "spike", "share", "rises", "extra", "shifts"
 
 @dataclass
 class LevelFollower:
-    """The raises of one graph structure's GEMMs above the last update's plan (module docstring).
+    """The shifts of one graph structure's GEMMs from the last update's plan (module docstring).
 
     Attributes:
         eligible: Whether the last update's plan may be shifted: not where compiled modules replay the scales

@@ -164,7 +164,9 @@ class ScalingRecipe:
         expected_maxima_margin_log2: Bound each GEMM by the largest value its parameter
             gradients reached in the last ``update_interval`` steps (their level and spikes),
             with this many binades to spare; a batch above that asks for an update where its
-            layer's scale no longer keeps the margin. ``None``: no such bound, no such update.
+            layer's scale no longer keeps the margin. Only gradients the format can overflow
+            (:func:`~gs_lightning.scaling.walks.format_bounded_leaves`): not a normalisation's fp32
+            weight and bias, computed in fp32. ``None``: no such bound, no such update.
             Protects against a converged task's occasional hard batch (ResNet-8's, up to 2^10 above
             the median) overflowing scales an update chose on easy ones; 3 chosen on ``python
             bench/compare_training.py`` (commit 9032bdd); the rule by ``pytest
@@ -205,9 +207,10 @@ class ScalingRecipe:
         follow_gradients: Between updates, raise each GEMM's accumulated scale at the step by the whole binades
             the level of the parameter gradients it computes fell below the update's, and by a binade more
             each step more than γ' of their nonzero values sit below λmin at its scale, up to the update's
-            own bound on them; all layers at once on the host, from what the step's one read takes
-            (:mod:`~gs_lightning.scaling.follow`). Such a fall then asks for no update (the drift rule still
-            asks where a GEMM's scale was held by what it sends on). Fewer update iterations where gradients
+            own bound on them, and lower it to that bound where their level or a spike rose above it; all layers
+            at once on the host, from what the step's one read takes (:mod:`~gs_lightning.scaling.follow`).
+            Such a fall, or such a rise, then asks for no update (the drift rule still asks where a GEMM's scale
+            was held by what it sends on). Fewer update iterations where gradients
             shrink as a run converges, for a count over a strided sample of each followed weight gradient at
             the step (on a CPU, ResNet-50's ``step()`` took 22 ms with it against 13 ms without, 64x64, batch
             2, one thread).

@@ -134,6 +134,23 @@ def test_a_raise_stops_at_the_updates_bound_a_level_above_it_lowers_and_a_spike_
     assert raised(reference - 4, reference - 4, reference - 4, room=2) == 0  # and holds the raise
 
 
+def test_a_scale_above_the_bound_of_its_parameter_gradients_is_lowered_at_the_step_without_an_update() -> None:
+    """Large gradients (2^14 times the MLP's): the first update had no recent batches to expect spikes from, and
+    chose scales above what keeps their parameter gradients the margin below λmax. The next step lowers those
+    GEMMs to that bound, as an update expecting the values would, and asks for no update; nothing overflows."""
+    model, x, upstream = _mlp()
+    scaler = GradientScaler(
+        model, update_interval=100, level_steps=1, recompute_weight_gradients=False, follow_gradients=True
+    )
+    for _ in range(3):
+        _step(scaler, model, _loss(model, x, upstream, 2.0**14))
+    follower = scaler.graphs[-1].follower
+    assert follower.shifts and all(shift < 0 for shift in follower.shifts.values())
+    assert all(follower.base.alpha_out[g] + shift <= follower.highest[g] for g, shift in follower.shifts.items())
+    assert scaler.update_iterations == 1 and scaler.skipped_steps == 0
+    assert not scaler.graphs[-1].schedule.pending
+
+
 def test_the_paper_recipe_does_not_follow() -> None:
     model, x, upstream = _mlp()
     scaler = GradientScaler(model, "paper", update_interval=100)

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gs_lightning.scaling.graph import analyze, saved_tensor, walk
 from gs_lightning.scaling.recompute import recomputable
-from gs_lightning.scaling.walks import parameter_leaves, weight_path
+from gs_lightning.scaling.walks import format_bounded_leaves, parameter_leaves, weight_path
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -92,3 +92,24 @@ def test_one_walk_leads_from_a_gemm_edge_to_its_parameter() -> None:
         through[name] = {graph.names[n] for path in paths for n in path[:-1]}
     assert found == {"linear": ({id(linear.weight), id(linear.bias)}, True), "shared": ({id(shared)}, False)}
     assert "ExpandBackward0" in through["shared"] and "ExpandBackward0" not in through["linear"]
+
+
+def test_the_format_bounds_the_parameter_gradients_a_gemm_computes_and_those_kept_in_16_bits() -> None:
+    """Under autocast a convolution's weight and bias gradients are computed in fp16 (then cast to fp32): the format
+    bounds them. A batch norm's fp32 weight and bias gradients are computed in fp32 from the scaled gradient: no
+    scale overflows them. A model kept in fp16 computes every parameter gradient in fp16."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 3, 8, 8)
+    leaves = {}
+    for kept in ("fp32, autocast", "fp16"):
+        if kept == "fp16":
+            model = model.half()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=kept != "fp16"):
+            loss = model(x.to(next(model.parameters()).dtype)).float().sum()
+        graph = walk(loss.grad_fn)
+        analysis = analyze(graph, _module_names(model))
+        names = {id(p): name for name, p in model.named_parameters()}
+        leaves[kept] = {names[id(graph.nodes[j].variable)] for j in format_bounded_leaves(graph, analysis)}
+    convolutions = {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert leaves["fp32, autocast"] == convolutions
+    assert leaves["fp16"] == convolutions | {"1.weight", "1.bias"}

@@ -27,7 +27,7 @@ from gs_lightning.scaling.drift import GradientDrift, unscale_and_measure
 from gs_lightning.scaling.formats import FloatFormat
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, analyze, walk
 from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
-from gs_lightning.scaling.plan import LeafTargets, ScalePlan, times_pow2
+from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
@@ -339,6 +339,9 @@ class ScaledBackwards:
             expected_maxima=expected,
             recompute=recompute,
             level_maxima=levels if recompute else {},
+            previous_totals=_gemm_totals(scales.plans.get(path), analysis)
+            if recipe.keep_scale_on_zero_gradient
+            else {},
             measured_weight_nodes=scales.measured_weights.get(path),
             recipe=recipe,
         )
@@ -510,3 +513,12 @@ def _divide_edge(
     else:
         carried = source.slot_alpha[edge] if graph.in_counts[edge] > 1 else source.alpha_out.get(i, 0)
     return (*grad_inputs[:k], times_pow2(grad, -carried), *grad_inputs[k + 1 :])
+
+
+def _gemm_totals(plan: ScalePlan | None, analysis: GraphAnalysis) -> dict[int, Exponent]:
+    """GEMM node -> its accumulated scale in ``plan`` (none without one: a structure's first update), unread where
+    the update that decided it is (a backward before the step's read: gradient accumulation)."""
+    if plan is None:
+        return {}
+    totals = plan.decided_alpha_out
+    return {i: totals[i] for i in analysis.gemms if i in totals}

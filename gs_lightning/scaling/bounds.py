@@ -53,6 +53,8 @@ class Settings:
         level_maxima: Leaf index -> its gradient's level, without the spikes
             (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
             with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
+        previous_totals: GEMM node -> the accumulated scale of the plan the update replaces, which a GEMM whose
+            incoming gradient is all zeros keeps (:attr:`ScalingRecipe.keep_scale_on_zero_gradient`; empty: none).
         measured_weight_nodes: The GEMMs whose weight gradients are computed exactly, where their Cauchy–Schwarz bound
             binds (:meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>`): those
             where it held the scale on an earlier update (:attr:`GraphScales.measured_weights
@@ -71,6 +73,7 @@ class Settings:
     expected_maxima: Mapping[int, float] = field(default_factory=dict)
     recompute: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
+    previous_totals: Mapping[int, Exponent] = field(default_factory=dict)
     measured_weight_nodes: frozenset[int] | None = None
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
 

@@ -25,7 +25,7 @@ from gs_lightning.scaling.bounds import ScaleBounds, Settings
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.gradient_stats import Extremes, FiniteFlags, all_finite, extremes, magnitude, rms
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
-from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, describe, parse
+from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, describe, parse, rule_position
 from gs_lightning.scaling.operators import Role, operator
 from gs_lightning.scaling.plan import Exponent, exponent_vector, times_pow2
 from gs_lightning.scaling.probes import detached, probe, rnn_probe, weight_probe_elements
@@ -335,6 +335,11 @@ class NodeDecisions:
                 bounded = torch.where(_one_hot(len(bounds), w, device) & binds, relaxed, bounded)
             limits = bounded
         beta, bound = self.bounds.choose(i, alpha, lower, bounds, limits)
+        if i in s.previous_totals:  # all zeros: nothing to decide on, the plan's scale stays
+            zero = grad_max == 0.0
+            beta = torch.where(zero, as_float64(s.previous_totals[i], device) - as_float64(alpha, device), beta)
+            kept = constant(rule_position(Limit.KEPT_ON_ZERO_GRADIENT), device, bound.index.dtype)
+            bound = bound._replace(index=torch.where(zero, kept, bound.index))
         beta = where_or(decided, beta, 0.0)
         modelled = [
             (partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,))

@@ -179,8 +179,14 @@ class GradientDrift:
         """The queued gradients, in the order :meth:`read` takes their largest magnitudes."""
         return [grad for _, _, grads in self._pending for grad in grads]
 
-    def read(self, values: list[float]) -> DriftReading:
-        """Consume the queued maxima, given their values in :meth:`pending`'s order."""
+    @property
+    def reads_update(self) -> bool:
+        """Whether the next :meth:`read` takes an update iteration's maxima."""
+        return self._update
+
+    def read(self, values: list[float], settled: Collection[int] = ()) -> DriftReading:
+        """Consume the queued maxima, given their values in :meth:`pending`'s order. ``settled``: on an update, leaves
+        all zeros there whose layers kept the last plan's scale (nothing to decide on, and nothing decided on none)."""
         groups: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
         position, at_least, non_finite, surprise, surprised = 0, {}, set(), -math.inf, {}
         for alpha, leaves, norms in self._pending:
@@ -196,7 +202,7 @@ class GradientDrift:
             position += len(norms)
         measured = {alpha: (tuple(sorted(leaves)), _largest(values)) for alpha, (leaves, values) in groups.items()}
         if self._update and not non_finite:
-            zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0)
+            zero = frozenset(leaf for leaf, value in at_least.items() if value == 0.0) - frozenset(settled)
             # decided on no values: once more, next backward
             drift = math.inf if self.zero_updates and zero - self.zero_at_update else 0.0
             self.reference = {

@@ -1,4 +1,4 @@
-"""Between updates: each GEMM's scale follows its weight gradients' level and spikes, decided at the step for every layer.
+"""Between updates: each GEMM's scale follows its weight gradients' level and spikes, all decided at the step.
 
 An update decides every scale from one batch; the gradients then shrink as a run converges, and the values
 the update kept above λmin sink towards it. The drift rule answered that with another update (the costly

@@ -21,8 +21,10 @@ from gs_lightning.scaling.drift import GradientDrift
 from gs_lightning.scaling.follow import LevelFollower
 from gs_lightning.scaling.gradient_stats import DeviceRead, FiniteFlags, first_non_finite
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
+from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.plan import ScalePlan
 from gs_lightning.scaling.schedule import UpdateReason, UpdateSchedule
+from gs_lightning.scaling.walks import parameter_leaves
 
 if TYPE_CHECKING:
     from gs_lightning.scaling.update import UpdateRun
@@ -85,6 +87,20 @@ class GraphScales:
         :attr:`layers`)."""
         self._read_update()
         return self._first_non_finite
+
+    def kept_on_zero_gradient(self) -> frozenset[int]:
+        """The parameter leaves of the GEMMs whose last update kept the replaced plan's scale, their incoming gradient
+        all zeros (:attr:`ScalingRecipe.keep_scale_on_zero_gradient`; reads as :attr:`layers`)."""
+        plan, analysis = self.plans.get(()), self.analyses.get(())
+        if plan is None or analysis is None:
+            return frozenset()
+        kept = {name for name, layer in self.layers.items() if layer.limit is Limit.KEPT_ON_ZERO_GRADIENT}
+        return frozenset(
+            j
+            for g, name in analysis.layer_names.items()
+            if name in kept and g in analysis.gemms
+            for j in parameter_leaves(plan.names, plan.edges, analysis, g)
+        )
 
     def keep_update(self, run: UpdateRun, plan: ScalePlan, after_read: Callable[[], None] | None = None) -> None:
         """An update's plan, layers, finiteness flags and underflow counts (on the device), read with the step's

@@ -42,6 +42,8 @@ class Limit(Enum):
     LAYER_CAP = "max_layer_scale"
     TOTAL_CAP = "accumulated-scale cap"  # max_total_scale, or the back-off after an overflow no layer was named for
     BACKOFF = "back-off of this layer"  # its gradients overflowed (ScalingRecipe.backoff_bits)
+    # Its incoming gradient was all zeros: the replaced plan's scale (ScalingRecipe.keep_scale_on_zero_gradient).
+    KEPT_ON_ZERO_GRADIENT = "the last plan's scale: its incoming gradient was all zeros"
 
     @property
     def is_overflow_bound(self) -> bool:
@@ -110,7 +112,15 @@ def parse(text: str) -> tuple[Limit, int | None]:
 # The reasons a decision names besides its own overflow bounds (the scale met γ', spike room, the caps). They open
 # every decision's candidates (:func:`candidates`), the device picks a position among those, and each rule's
 # position is looked up by its member (:func:`rule_position`): reordering this tuple or Limit relabels nothing.
-RULES = (Limit.NONE, Limit.SPIKE_ROOM, Limit.LAYER_CAP, Limit.TOTAL_CAP, Limit.BACKOFF, Limit.KEPT_DOWNSTREAM)
+RULES = (
+    Limit.NONE,
+    Limit.SPIKE_ROOM,
+    Limit.LAYER_CAP,
+    Limit.TOTAL_CAP,
+    Limit.BACKOFF,
+    Limit.KEPT_DOWNSTREAM,
+    Limit.KEPT_ON_ZERO_GRADIENT,
+)
 _RULE_POSITIONS = {limit: k for k, limit in enumerate(RULES)}
 
 

@@ -126,7 +126,8 @@ class StepRead:
         for graph in unread:
             graph.take_reading(values)
         for graph, tensors in zip(unread, pending):  # two graphs may queue one .grad (two losses into one model)
-            graph.drift.read([largest[index[id(t)]] for t in tensors])
+            settled = graph.kept_on_zero_gradient() if graph.drift.reads_update else frozenset()
+            graph.drift.read([largest[index[id(t)]] for t in tensors], settled)
         recomputed = self.recompute_graph in unread and self._recompute_overflows(self.recompute_graph)
         # No later read recomputes: what the replay kept (GEMM inputs and incoming gradients) goes now,
         # before the optimizer steps, not at update().

@@ -227,6 +227,39 @@ def test_a_branch_whose_gradients_are_all_zero_at_the_update_is_scaled_once_they
     assert {layer.name: layer.limit for layer in scaler.layers()}["b"] is Limit.SPIKE_ROOM
 
 
+def test_a_layer_whose_incoming_gradient_is_all_zeros_on_an_update_keeps_its_scale() -> None:
+    """A detection head whose loss has no target on some batches (SSD300's heads on a feature map without a
+    positive anchor): where an update meets such a batch, the head keeps the scale of the plan the update replaces
+    instead of deciding on nothing, and its weight gradients, all zeros, ask for no other update. Without the rule
+    each such update asked for another."""
+
+    def run(keep: bool) -> tuple[GradientScaler, list[dict[str, Any]], set[UpdateReason]]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"trunk": nn.Linear(32, 32), "a": nn.Linear(32, 8), "b": nn.Linear(32, 8)})
+        scaler = GradientScaler(model, update_interval=3, keep_scale_on_zero_gradient=keep)
+        x, upstream = torch.randn(64, 32), torch.randn(64, 8)
+        layers, reasons = [], set()
+        for step in range(9):
+            features = torch.relu(model["trunk"](x))
+            targets = 0.0 if step in (3, 6) else 1.0  # the updates at steps 3 and 6 find none for b
+            loss = ((model["a"](features) + targets * model["b"](features)) * upstream).sum() * 1e-4
+            model.zero_grad(set_to_none=True)
+            scaler.backward(loss)
+            assert not scaler.found_inf
+            scaler.update()
+            layers.append({layer.name: layer for layer in scaler.layers()})
+            reasons.update(r for update in scaler.updates for r in update.reasons)
+        return scaler, layers, reasons
+
+    scaler, layers, reasons = run(keep=True)
+    for step in (3, 6):
+        assert layers[step]["b"].limit is Limit.KEPT_ON_ZERO_GRADIENT
+        assert layers[step]["b"].log2_total == layers[step - 1]["b"].log2_total
+    assert scaler.update_iterations == 3 and UpdateReason.ZERO_GRADIENT not in reasons
+    without, _, reasons = run(keep=False)
+    assert without.update_iterations == 5 and UpdateReason.ZERO_GRADIENT in reasons  # one more after each
+
+
 def test_an_overflow_between_updates_lowers_only_the_overflowing_layers() -> None:
     """Head b carries the largest scale. Head a's gradient overflows on an iteration between
     updates: the step is skipped, and the next update lowers head a only."""

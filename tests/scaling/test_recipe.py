@@ -167,6 +167,7 @@ BEYOND_PAPER = {
     "wide_branch_scale",
     "drift_tolerance_log2",
     "update_after_zero_gradient",
+    "keep_scale_on_zero_gradient",
     "level_steps",
     "expected_maxima_margin_log2",
     "kept_downstream_cap",

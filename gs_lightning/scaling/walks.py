@@ -12,7 +12,8 @@ walk each:
   through every node that decides nothing, stopping at decision nodes and at branches.
 
 And the leaves themselves (:func:`leaf_variables`), matched by identity where two graphs meet (a compiled
-region and the eager graph around it, the attached models' parameters).
+region and the eager graph around it, the attached models' parameters), and those whose gradients the
+gradients' format can overflow (:func:`format_bounded_leaves`: what the expected maxima bound).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from gs_lightning.scaling.recipe import ScalingRecipe
 from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
-from gs_lightning.scaling.walks import format_bounded_leaves, leaf_variables
+from gs_lightning.scaling.walks import format_bounded_leaves, leaf_variables, summed_leaves
 from gs_lightning.scaling.weak import weakly
 
 
@@ -327,6 +327,8 @@ class ScaledBackwards:
                 analysis.derive("format-bounded leaves", lambda: format_bounded_leaves(graph, analysis))
             )
         )
+        if recipe.keep_scale_on_zero_gradient and not path:  # a bias all zeros between updates: it received zeros
+            scales.drift.summed = analysis.derive("summed leaves", lambda: summed_leaves(graph, analysis))
         return Settings(
             underflow_rate=recipe.underflow_rate,
             lambda_min=self.lambda_min,

@@ -135,6 +135,9 @@ class GradientDrift:
         zero_updates: Whether an update meeting a newly all-zero weight gradient asks for another, and one
             waking between updates counts as drift
             (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.update_after_zero_gradient`).
+        summed: Leaf indices whose gradient is a sum of the gradient its GEMM receives (a bias's): a scale group
+            all zeros with one of them received zeros, which is nothing to decide on, not drift
+            (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.keep_scale_on_zero_gradient`; set with each update).
         last: The reading of the last step.
     """
 
@@ -147,6 +150,7 @@ class GradientDrift:
     zero_at_update: frozenset[int] = frozenset()
     expected: dict[int, float] = field(default_factory=dict)
     recent: list[dict[int, float]] = field(default_factory=list)
+    summed: frozenset[int] = frozenset()
     last: DriftReading = field(default_factory=DriftReading)
     _pending: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = field(default_factory=list, repr=False)
     _update: bool = field(default=False, repr=False)
@@ -213,7 +217,9 @@ class GradientDrift:
             comparable = [
                 (leaves, largest, self.reference[alpha][1])
                 for alpha, (leaves, largest) in measured.items()
-                if alpha in self.reference and self.reference[alpha][0] == leaves
+                if alpha in self.reference
+                and self.reference[alpha][0] == leaves
+                and not (largest == 0.0 and self.summed.intersection(leaves))  # received zeros: nothing shrank
             ]
             # only these are looked at between updates
             woke = self.zero_updates and any(at_least.get(leaf, 0.0) != 0.0 for leaf in self.zero_at_update)

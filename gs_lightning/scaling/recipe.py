@@ -159,10 +159,11 @@ class ScalingRecipe:
             without ``drift_tolerance_log2``. [``False``]
         keep_scale_on_zero_gradient: A GEMM whose incoming gradient is all zeros on an update keeps the
             accumulated scale of the plan the update replaces (not on a structure's first update, which has
-            none), and its weight gradients, all zeros, ask for no other update (``update_after_zero_gradient``):
-            nothing to decide on, and nothing decided on nothing (SSD300's heads on a feature map where a batch
-            has no positive anchor: 17 of 29 updates in 100 steps had a zero gradient among their reasons, fp16,
-            seed 0). Measured by ``python
+            none), and its weight gradients, all zeros, ask for no other update (``update_after_zero_gradient``);
+            between updates, a scale group whose weight and bias gradients are all zeros received zeros, which is
+            not drift: nothing to decide on, and nothing decided on nothing (SSD300's heads on a feature map where
+            a batch has no positive anchor: 17 of 29 updates in 100 steps had a zero gradient among their reasons,
+            fp16, seed 0). Measured by ``python
             bench/compare_training.py --tasks ssd`` and ``pytest tests/scaling/test_drift.py -k keeps_its_scale``.
             [``False``]
         level_steps: A group's largest weight gradient is judged by the larger of the batch's and

@@ -88,6 +88,17 @@ def format_bounded_leaves(graph: AutogradGraph, analysis: GraphAnalysis) -> froz
     return frozenset(j for j in analysis.leaves if bounded(j))
 
 
+def summed_leaves(graph: AutogradGraph, analysis: GraphAnalysis) -> frozenset[int]:
+    """The parameter leaves of the GEMMs whose gradients are vectors: biases, each a sum of the gradient its GEMM
+    receives, all zeros exactly where that gradient is (short of a sum that cancels)."""
+    return frozenset(
+        j
+        for i in analysis.gemms
+        for j in parameter_leaves(graph.names, graph.edges, analysis, i)
+        if graph.nodes[j].variable.dim() == 1
+    )
+
+
 # log2 of the largest finite value of fp32 (and bfloat16) lies between 127 and 128; fp16's is below 16.
 _FP32_MAX_EXPONENT = 127
 

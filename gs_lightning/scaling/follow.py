@@ -158,13 +158,13 @@ class LevelFollower:
         self.highest = {}
         if self.base is None or not recent:
             return None
-        totals, highest, raises, self.unfollowed = self.base.alpha_out, {}, {}, False
+        totals, highest, moves, self.unfollowed = self.base.alpha_out, {}, {}, False
         for g, reference in self.reference.items():
             leaves, total = self.leaves[g], totals.get(g)
             largest, level = _node_largest(recent[-1], leaves), _level(recent, leaves, level_steps)
             if largest <= 0.0 or level <= 0.0 or total is None:
                 if g in self.shifts:
-                    raises[g] = self.shifts[g]  # nothing to follow this step
+                    moves[g] = self.shifts[g]  # nothing to follow this step
                 continue
             log2_level = math.log2(level)
             self.spike[g] = max(self.spike[g], math.log2(largest) - log2_level)
@@ -173,19 +173,19 @@ class LevelFollower:
             if not self.rises[g]:
                 self.unfollowed |= tolerance_log2 is not None and fell >= tolerance_log2
                 if room < 0:  # a spike above the bound: lowered to it, as an update expecting it would
-                    raises[g] = room
+                    moves[g] = room
                 continue
             extra = self.extra.get(g, 0)
             # values that sank although the level stayed (a fall explains its own: the raise below takes it in)
             settled = fell <= self.shifts.get(g, 0) - extra
             if settled and fell < room and max((tails or {}).get(j, 0.0) for j in leaves) > underflow_rate:
                 self.extra[g] = min(extra + 1, room - fell)  # stays until the next update
-            raises[g] = min(fell + self.extra.get(g, 0), room)
-        if kept_downstream_cap and any(up > 0 for up in raises.values()):
+            moves[g] = min(fell + self.extra.get(g, 0), room)
+        if kept_downstream_cap and any(move > 0 for move in moves.values()):
             kept = self._kept_downstream(analysis, highest)
-            raises = {g: min(up, kept.get(g, math.inf) - totals[g]) if up > 0 else up for g, up in raises.items()}
+            moves = {g: min(m, kept.get(g, math.inf) - totals[g]) if m > 0 else m for g, m in moves.items()}
         self.highest = highest
-        shifts = {g: int(up) for g, up in raises.items() if up != 0}
+        shifts = {g: int(m) for g, m in moves.items() if m != 0}
         if shifts == self.shifts:
             return None
         self.shifts = shifts

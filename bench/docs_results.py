@@ -824,7 +824,9 @@ PAGES = (
             "*GS update iterations*: backwards that decided the scales (the others replayed them). *GS recomputed "
             "steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the operands the "
             "replay kept (what that memory buys: [Memory](memory.md)); without it they would have been skipped.",
-            "Times are wall clock on the machine named, which may have been shared. Under the emulation every "
+            "Times are wall clock on the machine named, which may have been shared, less the underflow "
+            "measurement's own work (the benchmark's, the same for every emulated method; rows recorded before "
+            "2026-12-07 13:40 UTC include it, which brought every ratio closer to 1). Under the emulation every "
             "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
             "without the mode); GS's update statistics are fp32 and run outside it. Between updates GS keeps each "
             "GEMM's operands and incoming gradient until the step (to recompute a weight gradient that overflows); "

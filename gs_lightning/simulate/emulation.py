@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any, Literal
 
 import torch
@@ -71,6 +72,11 @@ class UnderflowMeter:
     Args:
         oracle_format: Format of the oracle's cast (the emulation's ``grad_dtype``), or ``None``
             for no oracle.
+
+    Attributes:
+        seconds: Wall time spent in :meth:`add` and :meth:`collect`: the meter's own work, which a
+            benchmark leaves out of the training's time (``bench/compare_training.py``). On a CPU its
+            kernels run as they are called; on a GPU this counts their launches only.
     """
 
     def __init__(self, oracle_format: torch.dtype | None = None) -> None:
@@ -81,9 +87,11 @@ class UnderflowMeter:
         self.oracle_format = oracle_format
         self._pending: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self.seconds = 0.0
 
     def add(self, exact: torch.Tensor, rounded: torch.Tensor) -> None:
         """Record one gradient: its exact fp32 values and what rounding stored."""
+        start = time.perf_counter()
         nonzero = exact != 0
         counts = [(nonzero & (rounded == 0)).sum(), nonzero.sum()]
         if self.oracle_format is not None:
@@ -91,6 +99,7 @@ class UnderflowMeter:
         stats = torch.stack(counts)
         with self._lock:
             self._pending.append(stats)
+            self.seconds += time.perf_counter() - start
 
     def collect(self) -> list[float]:
         """Per tensor recorded since the last call, in order: its underflow fraction (one sync)."""
@@ -101,6 +110,7 @@ class UnderflowMeter:
 
         The oracle's list is empty without ``oracle_format``.
         """
+        start = time.perf_counter()
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
@@ -108,7 +118,10 @@ class UnderflowMeter:
         stats = torch.stack(pending).double()
         nonzero = stats[:, 1].clamp(min=1)
         oracle = (stats[:, 2] / nonzero).tolist() if stats.shape[1] == 3 else []
-        return (stats[:, 0] / nonzero).tolist(), oracle
+        fractions = (stats[:, 0] / nonzero).tolist()
+        with self._lock:
+            self.seconds += time.perf_counter() - start
+        return fractions, oracle
 
 
 class emulate:  # a context manager, named like torch.autocast and torch.no_grad

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,29 @@ def test_time_ratios_pair_each_run_with_the_dynamic_loss_scale_it_was_stepped_wi
     assert ratios[("resnet", "fp16", "fp16-gs")] == pytest.approx([1.1, 1.05])
     assert ratios[("resnet", "fp16", "fp16-dynamic")] == [1.0, 1.0]
     assert ("resnet", "e5m2", "e5m2-gs") not in ratios
+
+
+def test_a_runs_seconds_leave_out_the_underflow_meters_own_work(compare_training, tmp_path: Path) -> None:
+    """Measuring the underflow is the benchmark's work: every emulated method pays it alike, and counted in their
+    seconds it would pull their ratios towards 1."""
+
+    class SlowMeter(compare_training.UnderflowMeter):
+        def add(self, exact: torch.Tensor, rounded: torch.Tensor) -> None:
+            super().add(exact, rounded)
+            started = time.perf_counter()
+            time.sleep(0.01)  # as if measuring took 10 ms more
+            self.seconds += time.perf_counter() - started
+
+    task = compare_training.BUILDERS["resnet"](tmp_path / "data", True)
+    method = compare_training.METHODS["fp16-dynamic"]
+    timed, slow = (
+        compare_training.Training(task, method, 0, 1, meter=meter)
+        for meter in (compare_training.UnderflowMeter(torch.float16), SlowMeter(torch.float16))
+    )
+    for step in range(2):
+        timed.step(step)
+        slow.step(step)
+    slept = slow.meter.seconds - timed.meter.seconds
+    assert slept > 0.2  # ResNet-8 casts 20 gradients a step
+    assert slow.seconds < timed.seconds + slept / 4
+    assert slow.underflow == timed.underflow  # nothing but the time changes

@@ -85,6 +85,9 @@ class DriftReading:
             (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.drift_tolerance_log2`); ``None``: none does
             (a reading of no step, which has no drift to judge).
         update: Whether an update iteration's gradients were among those read.
+        recomputed: Leaf indices whose gradient overflowed and was recomputed in fp32 at the step
+            (:mod:`~gs_lightning.scaling.recompute`): no longer in ``non_finite``, still why the reading asks for an
+            update (:attr:`~gs_lightning.scaling.schedule.UpdateReason.NON_FINITE_GRADIENT`).
     """
 
     drift_log2: float = math.nan
@@ -94,6 +97,7 @@ class DriftReading:
     surprised: Mapping[int, float] = field(default_factory=dict)
     tolerance_log2: float | None = None
     update: bool = False
+    recomputed: frozenset[int] = frozenset()
 
     @property
     def some_overflowed(self) -> bool:
@@ -304,7 +308,9 @@ class GradientDrift:
         values replace the lower bounds recorded for them, and they are no longer non-finite."""
         if self.recent:
             self.recent[-1] = {**self.recent[-1], **{leaf: v for leaf, v in maxima.items() if math.isfinite(v)}}
-        self.last = replace(self.last, non_finite=self.last.non_finite - frozenset(maxima))
+        self.last = replace(
+            self.last, non_finite=self.last.non_finite - frozenset(maxima), recomputed=frozenset(maxima)
+        )
 
     def raise_expected(self, maxima: Mapping[int, float]) -> None:
         """Expect these largest values (leaf -> value) from now on: gradients that rose above what the last

@@ -133,12 +133,12 @@ class UpdateSchedule:
 def drift_reasons(reading: DriftReading) -> frozenset[UpdateReason]:
     """Why a step's reading asks for an update (:attr:`DriftReading.drifted`; empty where it does not): a group's
     shrink (:attr:`~UpdateReason.DRIFT`; infinite where a gradient turned or stopped being all zeros, or was
-    non-finite), a weight gradient above what was expected of it."""
+    non-finite, recomputed or not), a weight gradient above what was expected of it."""
     reasons = set()
     if reading.shrank:
         if math.isfinite(reading.drift_log2):
             reasons.add(UpdateReason.DRIFT)
-        elif reading.non_finite:
+        elif reading.non_finite or reading.recomputed:
             reasons.add(UpdateReason.NON_FINITE_GRADIENT)
         else:
             reasons.add(UpdateReason.ZERO_GRADIENT)

@@ -512,8 +512,12 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model)
-    assert _hard_batches(scaler, model).skipped == [] and scaler.recomputed_steps == len(HARD)
+    run = _hard_batches(scaler, model)
+    assert run.skipped == [] and scaler.recomputed_steps == len(HARD)
     assert any(layer.limit is Limit.RECOMPUTED_SPIKES for layer in scaler.layers())
+    # each overflow, recomputed, asks for the next update, named for what it was
+    assert all(UpdateReason.NON_FINITE_GRADIENT in reasons for reasons in run.after(HARD))
+    assert not any(UpdateReason.ZERO_GRADIENT in reasons for reasons in run.reasons)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     scaler = GradientScaler(model, recompute_weight_gradients=False)  # the scales keep clear of every spike

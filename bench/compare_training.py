@@ -69,6 +69,8 @@ E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
 PAPER_LABEL = "GS, paper's Algorithm 1"
 # GS with ScalingRecipe.follow_gradients: the step raises the scales as the gradients' level falls (issue 51)
 FOLLOW_LABEL = "GS, following the gradients"
+# GS with recompute_weight_gradients=False: what keeping the operands for the fp32 recompute buys (issue 51)
+NO_RECOMPUTE_LABEL = "GS, no fp32 recompute"
 _FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}
 
 
@@ -117,6 +119,15 @@ def _methods() -> dict[str, Method]:
         Method(
             "fp16-gs-follow", "fp16", FOLLOW_LABEL, f16, True, None, lambda m: GradientScaler(m, follow_gradients=True)
         ),
+        Method(
+            "fp16-gs-no-recompute",
+            "fp16",
+            NO_RECOMPUTE_LABEL,
+            f16,
+            True,
+            None,
+            lambda m: GradientScaler(m, recompute_weight_gradients=False),
+        ),
         Method("e5m2-none", "e5m2", "no scaling", f16, True, E5M2, lambda m: NoScaling()),
         Method("e5m2-fixed4096", "e5m2", "fixed loss scale 4096", f16, True, E5M2, lambda m: FixedLossScale(4096)),
         Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
@@ -160,6 +171,15 @@ def _methods() -> dict[str, Method]:
             lambda m: GradientScaler(m, dtype=E5M2, follow_gradients=True),
         ),
         Method(
+            "e5m2-gs-no-recompute",
+            "e5m2",
+            NO_RECOMPUTE_LABEL,
+            f16,
+            True,
+            E5M2,
+            lambda m: GradientScaler(m, dtype=E5M2, recompute_weight_gradients=False),
+        ),
+        Method(
             "e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())
         ),
         Method(
@@ -184,8 +204,16 @@ def _methods() -> dict[str, Method]:
 
 
 METHODS = _methods()
-# format-for-format checks and the opt-in follower, run on request
-OPTIONAL_METHODS = ("e4m3-gs", "e5m2-in-mx", "e4m3-in-gs", "fp16-gs-follow", "e5m2-gs-follow")
+# format-for-format checks, the opt-in follower and GS without the fp32 recompute, run on request
+OPTIONAL_METHODS = (
+    "e4m3-gs",
+    "e5m2-in-mx",
+    "e4m3-in-gs",
+    "fp16-gs-follow",
+    "e5m2-gs-follow",
+    "fp16-gs-no-recompute",
+    "e5m2-gs-no-recompute",
+)
 DEFAULT_METHODS = tuple(k for k in METHODS if k not in OPTIONAL_METHODS)
 
 

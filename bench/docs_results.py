@@ -815,7 +815,10 @@ PAGES = (
             "backward GEMM cast to fp8 from its bf16 value.",
             "Methods: *GS* is this package's `GradientScaler` with its default recipe; *GS, paper's Algorithm 1* "
             'the same with `recipe="paper"` (`ScalingRecipe.paper()`: Algorithm 1 as published, none of the '
-            "rules beyond the paper), so the two rows show what those rules buy and cost.",
+            "rules beyond the paper), so the two rows show what those rules buy and cost. *GS, following the "
+            "gradients*: `follow_gradients=True` (opt-in: the step raises a layer's scale as its weight gradients "
+            "fall, instead of an update). *GS, no fp32 recompute*: `recompute_weight_gradients=False`, which keeps "
+            "nothing between updates: beside *GS*, what keeping the operands buys (its memory: [Memory](memory.md)).",
             "*GEMM-gradient underflow*: of each gradient the emulation casts (what a backward GEMM produces, or on "
             "the hardware path what enters it), the fraction of its nonzero exact values that rounding made zero, "
             "averaged over tensors and steps. *Oracle underflow*: the same for the best power-of-two scale of each "

@@ -163,9 +163,8 @@ class ScalingRecipe:
             between updates, a scale group whose weight and bias gradients are all zeros received zeros, which is
             not drift: nothing to decide on, and nothing decided on nothing (SSD300's heads on a feature map where
             a batch has no positive anchor: 17 of 29 updates in 100 steps had a zero gradient among their reasons,
-            fp16, seed 0). Measured by ``python
-            bench/compare_training.py --tasks ssd`` and ``pytest tests/scaling/test_drift.py -k keeps_its_scale``.
-            [``False``]
+            fp16, seed 0). Measured by ``python bench/compare_training.py --tasks ssd`` and ``pytest
+            tests/scaling/test_drift.py -k keeps_its_scale``. [``False``]
         level_steps: A group's largest weight gradient is judged by the larger of the batch's and
             the median of its last this many steps, so that one small batch is not drift; the
             expected maxima's level is the same median. 1: the batch alone. No effect without

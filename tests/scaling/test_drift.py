@@ -231,8 +231,8 @@ def test_a_layer_whose_incoming_gradient_is_all_zeros_on_an_update_keeps_its_sca
     """A detection head whose loss has no target on some batches (SSD300's heads on a feature map without a
     positive anchor): where an update meets such a batch, the head keeps the scale of the plan the update replaces
     instead of deciding on nothing, and its weight and bias gradients, all zeros, ask for no other update there or
-    between updates. Without the rule
-    each such update asked for another, and so did a batch between updates that sends the head zeros."""
+    between updates. Without the rule each such update asked for another, and so did a batch between updates that
+    sends the head zeros."""
 
     def run(keep: bool) -> tuple[GradientScaler, list[dict[str, Any]], set[UpdateReason]]:
         torch.manual_seed(0)

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 
 import torch
 from _training_tasks import BUILDERS, TASKS, Task
@@ -237,6 +237,15 @@ class Run:
     grad_rounding: str | None = None  # emulated: "output" (GEMM outputs cast) or "entering" (∇Y cast); else None
     recomputed_steps: int | None = None  # GS: steps taken after recomputing an overflowed weight gradient in fp32
     lockstep: str | None = None  # the runs stepped in turn with it share this id (train_interleaved)
+    # each skipped step (from 0) and the parameters whose gradients were non-finite there, by name
+    skips: list[SkippedStep] | None = None
+
+
+class SkippedStep(TypedDict):
+    """A step the method skipped, and what overflowed there: the parameters whose ``.grad`` held inf or NaN."""
+
+    step: int
+    non_finite: list[str]
 
 
 class Training:
@@ -275,6 +284,7 @@ class Training:
         self.generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(len(task.train[0]), generator=self.generator)
         self.position, self.losses, self.underflow, self.oracle = 0, [], [], []
+        self.skips: list[SkippedStep] = []
         self.seconds = 0.0  # the training steps' wall time (evaluation and the meter's own work excluded)
 
     def step(self, step: int) -> None:
@@ -305,6 +315,16 @@ class Training:
         # measuring the underflow is the benchmark's work, not the run's: every emulated method would pay it alike,
         # which pulls the ratios of their seconds towards 1
         self.seconds += time.perf_counter() - start - (self.meter.seconds - metered)
+        if self.trainer.skipped_steps > len(self.skips):  # what overflowed: read after the timed part, as the meter
+            self.skips.append({"step": step, "non_finite": self._non_finite_parameters()})
+
+    def _non_finite_parameters(self) -> list[str]:
+        """The parameters whose ``.grad`` holds inf or NaN now (the step just skipped left them there)."""
+        return [
+            name
+            for name, parameter in self.model.named_parameters()
+            if parameter.grad is not None and not bool(torch.isfinite(parameter.grad).all())
+        ]
 
     def result(self, lockstep: str | None = None) -> Run:
         """Evaluate in fp32; the run's results (``lockstep``: the id of the runs it was stepped in turn with)."""
@@ -327,7 +347,21 @@ class Training:
             method.grad_rounding if method.emulated else None,
             getattr(trainer, "recomputed_steps", None),
             lockstep,
+            self.skips,
         )
+
+
+def skip_causes(skips: list[SkippedStep], most: int = 3) -> str:
+    """The parameters found non-finite at ``skips``, the most frequent first, each with the number of skipped steps it
+    was non-finite at, at most ``most`` named: ``"backbone.extras.2.0.bias (2 of 2), head.4.bias (1 of 2)"``."""
+    counts: dict[str, int] = defaultdict(int)
+    for skip in skips:
+        for name in skip["non_finite"]:
+            counts[name] += 1
+    named = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{name} ({count} of {len(skips)})" for name, count in named[:most])
+    more = len(named) - most
+    return (shown or "no parameter") + (f", {more} more" if more > 0 else "")
 
 
 def train(
@@ -713,6 +747,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
                     f"{run.seconds:.1f} s",
                     flush=True,
                 )
+                if run.skips:
+                    print(f"  skipped, and what overflowed: {skip_causes(run.skips)}", flush=True)
                 if meter is not None:
                     print(
                         "  most underflow (place in the backward's casts, mean over steps): "

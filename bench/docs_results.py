@@ -477,7 +477,32 @@ def training_section(run: Recorded) -> list[str]:
         lines += markdown_table(rows, outcome)
         if others:
             lines += markdown_table(rows, [*SEPARATING[:2], *others])
+        lines += skipped_parameters(run, task, rows)
     return lines + gradient_magnitudes(run)
+
+
+def skipped_parameters(run: Recorded, task: str, rows: list[dict[str, Any]]) -> list[str]:
+    """What overflowed where ``task``'s methods skipped steps (the bench's ``skips``, recorded since 2026-12-07): per
+    method, the parameters found non-finite most often; nothing for runs recorded without it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from compare_training import skip_causes
+
+    lines = []
+    for row in rows:
+        runs = [r for r in run.data if r["task"] == task and r["method"] == row["method key"]]
+        skips = [skip for r in runs for skip in r.get("skips") or ()]
+        if skips:
+            causes = skip_causes(skips)
+            lines.append(f"- {row['gradients']} {row['method']}, {len(skips)} in {len(runs)} runs: {causes}")
+    if not lines:
+        return []
+    return [
+        "Skipped steps, and the parameters whose gradients were non-finite at them (at how many of those steps), the "
+        "most frequent first:",
+        "",
+        *lines,
+        "",
+    ]
 
 
 def figure_path(run: Recorded, task: str) -> Path:

@@ -202,3 +202,22 @@ def test_a_runs_seconds_leave_out_the_underflow_meters_own_work(compare_training
     assert slept > 0.2  # ResNet-8 casts 20 gradients a step
     assert slow.seconds < timed.seconds + slept / 4
     assert slow.underflow == timed.underflow  # nothing but the time changes
+
+
+def test_a_skipped_step_names_the_parameters_whose_gradients_overflowed(compare_training, tmp_path: Path) -> None:
+    """Where a method skips a step, the run records which parameters' gradients were non-finite there, outside
+    the timed part (the bench's reading, not the method's)."""
+    task = compare_training.BUILDERS["resnet"](tmp_path / "data", True)
+    training = compare_training.Training(task, compare_training.METHODS["fp16-dynamic"], 0, 10**9)
+    name, parameter = list(training.model.named_parameters())[-1]
+    now = {"step": 0}
+    parameter.register_hook(lambda grad: grad * math.inf if now["step"] == 1 else grad)  # as user code may
+    for step in range(3):
+        now["step"] = step
+        training.step(step)
+    run = training.result()
+    assert run.skipped_steps == 1 and run.skips == [{"step": 1, "non_finite": [name]}]
+
+    skips = [{"step": 3, "non_finite": ["b", "a", "c", "d"]}, {"step": 7, "non_finite": ["b"]}]
+    assert compare_training.skip_causes(skips) == "b (2 of 2), a (1 of 2), c (1 of 2), 1 more"
+    assert compare_training.skip_causes([{"step": 0, "non_finite": []}]) == "no parameter"

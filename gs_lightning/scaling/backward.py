@@ -264,6 +264,8 @@ class ScaledBackwards:
             self.read.recompute_graph = scales
             if run is None and plan.recomputable:
                 prepared.handles += self.read.recompute.register(graph, analysis, plan, leaves.deferred)
+            if run is None:  # after the keepers, which read the saved weights as they were
+                plan.shift_sent_operands(graph)
         for c in sorted(analysis.reentrant):  # after the run's own pre-hook, which merges c's incoming scales
             prepared.handles.append(graph.nodes[c].register_prehook(partial(self._enter_checkpoint, prepared, c)))
         return prepared
@@ -345,6 +347,8 @@ class ScaledBackwards:
             if recipe.keep_scale_on_zero_gradient
             else {},
             measured_weight_nodes=scales.measured_weights.get(path),
+            # a saved-tensor hook per shifted GEMM: not where a compiled module replays the scales in its graph
+            own_input_scale=recipe.own_input_gradient_scale and not (path or self.compiled),
             recipe=recipe,
         )
 

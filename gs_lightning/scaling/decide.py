@@ -24,7 +24,7 @@ import torch
 from gs_lightning.scaling.bounds import ScaleBounds, Settings
 from gs_lightning.scaling.formats import FORMATS
 from gs_lightning.scaling.gradient_stats import Extremes, FiniteFlags, all_finite, extremes, magnitude, rms
-from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
+from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, saved_tensor
 from gs_lightning.scaling.limits import Bound, Limit, UnreadBound, describe, parse, rule_position
 from gs_lightning.scaling.operators import Role, operator
 from gs_lightning.scaling.plan import Exponent, exponent_vector, times_pow2
@@ -67,6 +67,9 @@ class LayerScale:
             beyond the paper, or a cap.
         limit_index: Which input (``INPUT_GRADIENT``) or output (``OUTPUT``) the bound is on, where the
             node has several.
+        input_gradient_shift: A GEMM's: the binades above ``log2_total`` what it sends on carries, where the recipe
+            gives it a scale of its own (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.own_input_gradient_scale`);
+            its weight and bias gradients carry ``log2_total``. 0 elsewhere.
     """
 
     name: str
@@ -77,6 +80,7 @@ class LayerScale:
     measured_underflow: float | None = None
     limit: Limit = Limit.NONE
     limit_index: int | None = None
+    input_gradient_shift: int = 0
 
     @property
     def limited_by(self) -> str:
@@ -111,11 +115,13 @@ class UnreadLayer:
     alpha: Exponent  # the scale the node received
     bound: UnreadBound | None = None
     decided: bool | torch.Tensor = True
+    input_shift: Exponent = 0
 
     def tensors(self) -> list[torch.Tensor]:
         """What to read."""
         index = None if self.bound is None else self.bound.index
-        return [t for t in (self.log2_scale, self.alpha, index, self.decided) if isinstance(t, torch.Tensor)]
+        scalars = (self.log2_scale, self.alpha, index, self.decided, self.input_shift)
+        return [t for t in scalars if isinstance(t, torch.Tensor)]
 
     def read(self, values: Mapping[torch.Tensor, float]) -> tuple[LayerScale, bool]:
         """The layer, with ``values`` holding :meth:`tensors` as read; and whether it decided."""
@@ -124,7 +130,8 @@ class UnreadLayer:
         if not decided or self.bound is None:
             return LayerScale(self.name, self.kind, beta, total, math.nan), decided
         bound = self.bound.read(values[self.bound.index])
-        return LayerScale(self.name, self.kind, beta, total, math.nan, None, *bound), True
+        shift = int(_value(self.input_shift, values))
+        return LayerScale(self.name, self.kind, beta, total, math.nan, None, *bound, shift), True
 
 
 # rate(log2 scale, *statistics as read), its statistics
@@ -155,7 +162,9 @@ class UnreadRates:
 
     def applied_to(self, layer: LayerScale, values: Iterator[float]) -> LayerScale:
         """``layer`` with its rates, ``values`` holding :meth:`tensors` as read."""
-        modelled = [rate(layer.log2_scale, *(next(values) for _ in statistics)) for rate, statistics in self.modelled]
+        # the models are of what a node sends on, which carries the GEMM's own scale where it has one
+        sent = layer.log2_scale + layer.input_gradient_shift
+        modelled = [rate(sent, *(next(values) for _ in statistics)) for rate, statistics in self.modelled]
         measured = [counted_rate(next(values), next(values)) for _ in self.measured]
         rate = max([*modelled, *measured], default=self.if_none)
         return replace(
@@ -197,6 +206,7 @@ class NodeDecisions:
         self.weight_binds: dict[int, torch.Tensor] = {}
         self.unmeasured: set[int] = set()
         self.weight_bound: set[int] = set()  # once read in
+        self.input_shifts: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # GEMM -> its edges, their own scale
 
     def decide(
         self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent
@@ -274,7 +284,7 @@ class NodeDecisions:
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         recipe, device = s.recipe, grad.device
-        sent = (
+        sent_values = (
             [
                 v
                 for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands)
@@ -283,7 +293,8 @@ class NodeDecisions:
             if recipe.exact_probes
             else []
         )
-        samples = [ExactSample(v) for v in (*sent, *self._weight_samples(i, grad))] if recipe.exact_probes else []
+        weight_values = self._weight_samples(i, grad) if recipe.exact_probes else []
+        sent, weight_samples = [ExactSample(v) for v in sent_values], [ExactSample(v) for v in weight_values]
         grad_rms, grad_max = rms(grad).double(), magnitude(grad_extremes)
         operand_rms = [rms(op.operand).double() for _, op in operands]
         operand_max = [magnitude(extremes(op.operand)) for _, op in operands]
@@ -292,11 +303,11 @@ class NodeDecisions:
         decided = all_finite([grad_max, *operand_rms, *operand_max, *weight_stats.values()])
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
         sigmas = [gemm_sigma(n, grad_rms, operand_rms[k]) for k, n in enumerate(lengths)]
-        lower = largest(
-            [gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)]
-            + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in samples],
-            device,
-        )
+        lower_sent = [
+            gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)
+        ] + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in sent]
+        lower_weights = [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in weight_samples]
+        lower = largest(lower_sent + lower_weights, device)
         maxima = {
             Bound(Limit.INCOMING_GRADIENT): grad_max,
             **{
@@ -341,13 +352,71 @@ class NodeDecisions:
             kept = constant(rule_position(Limit.KEPT_ON_ZERO_GRADIENT), device, bound.index.dtype)
             bound = bound._replace(index=torch.where(zero, kept, bound.index))
         beta = where_or(decided, beta, 0.0)
+        shift: Exponent = 0
+        if s.own_input_scale and sent_values and weight_values and self._shiftable(i, operands):
+            sent_limits = [k for k, b in enumerate(bounds) if b.limit in _SENT_LIMITS]
+            beta_sent, _ = self.bounds.choose(
+                i,
+                alpha,
+                largest(lower_sent, device),
+                [bounds[k] for k in sent_limits],
+                limits.index_select(0, _positions(tuple(sent_limits), device)),
+            )
+            # the growth in batch norms before the next decision, a branch's sum's too (its merge bounds only the
+            # batch at hand)
+            gains = [
+                g.to(device)
+                for k, _ in operands
+                if (g := self.bounds.gains_after.get(self.graph.edges[i][k][0])) is not None
+            ]
+            sent_max = _grown(
+                largest([magnitude(extremes(v)) for v in sent_values], device),
+                largest(gains, device) if gains else None,
+            )
+            weight_max = largest([magnitude(extremes(v)) for v in weight_values], device)
+            ceilings = [
+                beta_sent - beta,
+                # what it sends on, at most as near λmax as its weight gradients: the spikes of the batches to come,
+                # which their bounds keep room for, lift both (all of them: it is not recomputed)
+                torch.floor(torch.log2(weight_max / sent_max) - self.bounds.recomputed_spikes.get(i, 0.0)),
+                # its weight times 2^shift finite in the weight's own format
+                *(
+                    torch.ceil(overflow_max_log2_scale(operand_max[j], torch.finfo(op.operand.dtype).max)) - 1.0
+                    for j, (_, op) in enumerate(operands)
+                ),
+            ]
+            shift = torch.stack(ceilings).amin().clamp_min(0.0)
+            shift = where_or(decided & (grad_max > 0.0) & finite(shift), shift, 0.0)
+            self.input_shifts[i] = (tuple(k for k, _ in operands), shift)
         modelled = [
             (partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,))
             for sigma, n in zip(sigmas, lengths)
         ]
-        measured = underflow_counts(samples, beta, s.lambda_min)
-        self._add(UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided), modelled, measured)
+        measured = (
+            underflow_counts(sent, beta + shift, s.lambda_min) + underflow_counts(weight_samples, beta, s.lambda_min)
+            if isinstance(shift, torch.Tensor)
+            else underflow_counts([*sent, *weight_samples], beta, s.lambda_min)
+        )
+        layer = UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided, shift)
+        self._add(layer, modelled, measured)
         return beta
+
+    def _shiftable(self, i: int, operands: list[tuple[int, Any]]) -> bool:
+        """Whether GEMM ``i`` can send on at a scale of its own: it computes parameter gradients (what holds its
+        scale below what it sends on needs), and each edge it sends along has a saved operand of its own to scale
+        (:attr:`~gs_lightning.scaling.operators.Operator.sent_operands`), readable (no saved-tensor hooks of
+        another's), and leads to a node, not a leaf (whose gradient is unscaled by the node's scale)."""
+        names = operator(self.graph.names[i]).sent_operands
+        if not operands or not self.analysis.weight_edges.get(i) or names is None:
+            return False
+        node, edges = self.graph.nodes[i], self.graph.edges[i]
+        return all(
+            k in names
+            and edges[k] is not None
+            and edges[k][0] not in self.analysis.leaves
+            and saved_tensor(node, names[k]) is not None
+            for k, _ in operands
+        )
 
     def _weight_samples(self, i: int, grad: torch.Tensor, elements: int | None = None) -> list[torch.Tensor]:
         """Exact fp32 values of a slice of each weight gradient GEMM node ``i`` outputs from ``grad``.
@@ -540,6 +609,11 @@ class NodeDecisions:
                     self.undecided.add(k)
 
 
+# The bounds on what a GEMM sends on (and on the gradients it reaches before the next decision): those its own
+# scale keeps, where it has one.
+_SENT_LIMITS = frozenset({Limit.INPUT_GRADIENT, Limit.FED_PARAMETER_GRADIENTS})
+
+
 def largest(values: list[torch.Tensor], device: torch.device, default: float = -math.inf) -> torch.Tensor:
     """The largest of the 0-dim float64 ``values`` (``default`` without any, on ``device``); a single one as it is."""
     if len(values) == 1:
@@ -552,6 +626,16 @@ def _one_hot(size: int, position: int, device: torch.device) -> torch.Tensor:
     """A bool vector on ``device``, true at ``position`` only: made once per (size, position, device), never written
     to."""
     return torch.arange(size, device=device) == position
+
+
+@lru_cache(maxsize=256)
+def _positions(positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``positions`` as an int64 index on ``device``: made once per (positions, device), filled in there (an index
+    copied from the host would wait for the device), never written to."""
+    index = torch.zeros(len(positions), dtype=torch.int64, device=device)
+    for k, position in enumerate(positions):
+        index[k] = position
+    return index
 
 
 def _grown(bound: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:

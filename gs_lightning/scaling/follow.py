@@ -299,7 +299,7 @@ def shifted_plan(plan: ScalePlan, shifts: Mapping[int, int], decisions: Collecti
             incoming[edge[0]].append(slot_shift[edge])
     for slot, shift in slot_shift.items():
         slot_alpha[slot] += shift
-    return ScalePlan(plan.names, plan.edges, alpha_out, slot_alpha, plan.recomputable)
+    return ScalePlan(plan.names, plan.edges, alpha_out, slot_alpha, plan.recomputable, dict(plan.input_shift))
 
 
 def _topological_order(edges: tuple[tuple[Slot | None, ...], ...]) -> list[int]:

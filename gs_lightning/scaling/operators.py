@@ -97,6 +97,10 @@ class Operator:
             weights as this kernel saved them, which :func:`~gs_lightning.scaling.probes.rnn_probe` recomputes.
         probed_edges: Fused nodes: the input edges whose gradients :attr:`probe` computes.
         recompute: GEMM: its parameter gradients in fp32, where one overflowed between updates.
+        sent_operands: GEMM: input edge (one of :attr:`operands`) -> the name of the saved operand the gradient sent
+            along it is computed from, and no other gradient of the node: multiplied by ``2^k`` as the backward
+            unpacks it, it gives that gradient ``k`` binades of scale of its own
+            (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.own_input_gradient_scale`).
         layout: Weight path: how the node treats the weight gradient passing through it.
         eager_name: Traced variant: the type eager autograd records for the same operator.
         note: Why a field that could apply is ``None``.
@@ -108,6 +112,7 @@ class Operator:
     probe: Callable[..., Any] | None = None
     probed_edges: tuple[int, ...] | None = None
     recompute: Recompute | None = None
+    sent_operands: Mapping[int, str] | None = None
     layout: Layout | None = None
     eager_name: str | None = None
     note: str = ""
@@ -160,12 +165,14 @@ def _table() -> Mapping[str, Operator]:
             weight_bound=graph._conv_weight_grad_bounds,
             probe=probes._convolution,
             recompute=Recompute(recompute._convolution, {1: ("input", "weight"), 2: ()}),
+            sent_operands={0: "weight"},
         ),
         "AddmmBackward0": gemm(
             operands={1: graph._addmm_mat1, 2: graph._saved_operand("mat1", lambda t: t.shape[0])},
             weight_bound=graph._addmm_weight_grad_bounds,
             probe=probes._matmul_probe(1, 2, "mat1", "mat2"),
             recompute=Recompute(recompute._matmul(0, 1, "mat1", "mat2"), {0: (), 1: ("mat2",), 2: ("mat1",)}),
+            sent_operands={1: "mat2", 2: "mat1"},
         ),
         "MmBackward0": gemm(
             operands={
@@ -175,6 +182,7 @@ def _table() -> Mapping[str, Operator]:
             weight_bound=graph._mm_weight_grad_bounds,
             probe=probes._matmul_probe(0, 1, "self", "mat2"),
             recompute=Recompute(recompute._matmul(None, 0, "self", "mat2"), {0: ("mat2",), 1: ("self",)}),
+            sent_operands={0: "mat2", 1: "self"},
         ),
         "BmmBackward0": gemm(
             operands={

@@ -9,6 +9,7 @@ gradients' device (:data:`Exponent`) until the step's read; a plan holds Python 
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,12 +17,16 @@ from itertools import zip_longest
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 
 from gs_lightning.scaling.formats import widened
 from gs_lightning.scaling.graph import LEAF, AutogradGraph, Slot
+from gs_lightning.scaling.operators import operator
 
 # log2 of a power-of-two scale: a Python int, or (during an update, until read) a 0-dim float64 tensor on the device.
 Exponent = int | torch.Tensor
+# A GEMM's own scale for what it sends on: the input edges it shifts, and by how many binades beyond the node's scale.
+InputShift = tuple[tuple[int, ...], Exponent]
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,38 @@ def _product(values: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor
     return (values.to(wide) * factor.to(wide)).to(values.dtype)
 
 
+def shift_sent_operands(node: Node, edges: tuple[int, ...], exponent: Exponent) -> None:
+    """Give the gradients GEMM ``node`` sends along ``edges`` ``2^exponent`` more scale than the node's, and no
+    other gradient of it: each edge's saved operand (:attr:`~gs_lightning.scaling.operators.Operator.sent_operands`,
+    a weight) is multiplied by ``2^exponent`` as the backward unpacks it. Exact (a power of two) where the product
+    stays finite, which the update's choice keeps; the weight and bias gradients are computed from the other
+    operand and the incoming gradient, at the node's scale. Registered on this graph's saved tensors: once per
+    backward, before the node runs (after what reads them first, the recompute's keepers).
+    """
+    names = operator(type(node).__name__).sent_operands
+    for edge in edges:
+        getattr(node, f"_raw_saved_{names[edge]}").register_hooks(_as_saved, _unpacked_times_pow2(exponent))
+
+
+def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _unpacked_times_pow2(exponent: Exponent) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An unpack hook: the saved tensor times ``2^exponent``, the same tensor while it lives (the emulation's
+    hardware path tells a node's saved operands from gradients by their storage, unpacking them again)."""
+    last: list[weakref.ref] = []
+
+    def unpack(saved: torch.Tensor) -> torch.Tensor:
+        shifted = last[0]() if last else None
+        if shifted is None:
+            shifted = times_pow2(saved, exponent)
+            last[:] = [weakref.ref(shifted)]
+        return shifted
+
+    return unpack
+
+
 def _factor_hook(factors: tuple[float | None, ...]) -> Callable[[tuple], tuple]:
     """``grads -> grads`` with each gradient times its factor (``None``: unchanged).
 
@@ -185,6 +222,8 @@ class ScalePlan:
 
     ``recomputable``: the GEMM nodes whose parameter gradients the replays can recompute if they
     overflow, keeping their operands until the step (:mod:`~gs_lightning.scaling.recompute`).
+    ``decided_input_shift``: GEMM -> the input edges whose gradients carry a scale of their own, and how many binades
+    above ``alpha_out`` (:func:`shift_sent_operands`); its other edges, weights' and biases', carry ``alpha_out``.
     An update leaves its exponents on the device: ``settle`` reads them (with the step's read, or
     as :attr:`alpha_out` or :attr:`slot_alpha` is first asked for), after which they are ints.
     """
@@ -194,6 +233,7 @@ class ScalePlan:
     decided_alpha_out: dict[int, Exponent]
     decided_slot_alpha: dict[Slot, Exponent]
     recomputable: frozenset[int] = frozenset()
+    decided_input_shift: dict[int, InputShift] = field(default_factory=dict)
     # reads the update that decided it, until it did
     settle: Callable[[], None] | None = field(default=None, repr=False)
     _hooks: dict[LeafTargets, list[tuple[int, Callable | None, Callable | None]]] = field(
@@ -213,6 +253,24 @@ class ScalePlan:
         self._settled()
         return self.decided_slot_alpha
 
+    @property
+    def input_shift(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        """GEMM -> (edges, binades): what it sends along those edges carries ``alpha_out`` plus the binades (read
+        first as :attr:`alpha_out`)."""
+        self._settled()
+        return self.decided_input_shift  # type: ignore[return-value]
+
+    def edge_alpha(self, i: int, edge: int) -> int:
+        """The scale node ``i``'s gradient along its input edge ``edge`` carries."""
+        shifted = self.input_shift.get(i)
+        return self.alpha_out[i] + (shifted[1] if shifted is not None and edge in shifted[0] else 0)
+
+    def shift_sent_operands(self, graph: AutogradGraph) -> None:
+        """On a replay: the saved-tensor hooks of the GEMMs whose input gradients carry a scale of their own."""
+        for i, (edges, exponent) in self.input_shift.items():
+            if exponent:
+                shift_sent_operands(graph.nodes[i], edges, exponent)
+
     def _settled(self) -> None:
         if self.settle is not None:
             self.settle()  # calls read_in
@@ -223,6 +281,8 @@ class ScalePlan:
             as_read(self.decided_alpha_out, values),
             as_read(self.decided_slot_alpha, values),
         )
+        shifts = as_read({i: exponent for i, (_, exponent) in self.decided_input_shift.items()}, values)
+        self.decided_input_shift = {i: (edges, shifts[i]) for i, (edges, _) in self.decided_input_shift.items()}
         self.settle = None
 
     def matches(self, graph: AutogradGraph) -> bool:
@@ -287,7 +347,9 @@ class ScalePlan:
             for s in slots_of[i]:
                 shift = alpha - self.slot_alpha[(i, s)]
                 pre[s] = 2.0**shift if shift else None
-            post = [edge_shift(graph, edge, alpha, self.slot_alpha, leaves) for edge in edges]
+            post = [
+                edge_shift(graph, edge, self.edge_alpha(i, k), self.slot_alpha, leaves) for k, edge in enumerate(edges)
+            ]
             pre_t = tuple(pre) if any(f is not None for f in pre) else None
             post_t = tuple(2.0**s if s else None for s in post) if any(post) else None
             if pre_t or post_t:
@@ -302,6 +364,7 @@ class ScalePlan:
             "alpha_out": sorted(self.alpha_out.items()),
             "slot_alpha": sorted((j, s, a) for (j, s), a in self.slot_alpha.items()),
             "recomputable": sorted(self.recomputable),
+            "input_shift": sorted((i, list(edges), k) for i, (edges, k) in self.input_shift.items()),
         }
 
     @classmethod
@@ -313,4 +376,7 @@ class ScalePlan:
             decided_alpha_out={int(i): int(a) for i, a in state["alpha_out"]},
             decided_slot_alpha={(int(j), int(s)): int(a) for j, s, a in state["slot_alpha"]},
             recomputable=frozenset(int(i) for i in state.get("recomputable", [])),
+            decided_input_shift={
+                int(i): (tuple(int(e) for e in edges), int(k)) for i, edges, k in state.get("input_shift", [])
+            },
         )

@@ -209,9 +209,18 @@ class ScalingRecipe:
             recomputation. No effect without ``recompute_weight_gradients`` and
             ``expected_maxima_margin_log2``. [1]
 
-    An opt-in rule (off in both presets):
+    Opt-in rules (off in both presets):
 
     Attributes:
+        own_input_gradient_scale: Give what a GEMM sends on (its input gradient, ∇X) a scale of its own, up to the
+            one its own bounds and γ' allow, where the node's scale is held lower by its weight and bias gradients
+            (their overflow bounds, expected maxima and spike room): the saved weight the node computes ∇X from is
+            multiplied by that power of two as the backward unpacks it (exact; its weight and bias gradients, computed
+            from the input and the incoming gradient, keep the node's scale). Costs a product over the weight on the
+            iterations it applies to, and the weight's size in memory while the node runs. Eager graphs only: not in a
+            reentrant checkpoint's inner graph, a compiled module's, or where the weight's saved tensor has hooks of
+            its own. Measured by ``python bench/compare_training.py --methods fp16-gs fp16-gs-own-input-scale`` and
+            ``pytest tests/scaling/test_input_shift.py``.
         follow_gradients: Between updates, raise each GEMM's accumulated scale at the step by the whole binades
             the level of the parameter gradients it computes fell below the update's, and by a binade more
             each step more than γ' of their nonzero values sit below λmin at its scale, up to the update's
@@ -268,6 +277,7 @@ class ScalingRecipe:
     recompute_weight_gradients: bool = True
     recomputed_spike_share: float = 0.5
 
+    own_input_gradient_scale: bool = False
     follow_gradients: bool = False
 
     def __post_init__(self) -> None:
@@ -299,6 +309,7 @@ class ScalingRecipe:
             "kept_downstream_cap",
             "expect_surprise_within_margin",
             "recompute_weight_gradients",
+            "own_input_gradient_scale",
         )
         for field in switches:
             if not isinstance(getattr(self, field), bool):

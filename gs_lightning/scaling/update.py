@@ -22,7 +22,16 @@ from gs_lightning.scaling.decide import LayerScale, NodeDecisions
 from gs_lightning.scaling.gradient_stats import Extremes, extremes
 from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis, Slot, decision_nodes
 from gs_lightning.scaling.modes import outside_low_precision_modes
-from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, as_read, edge_shift, shift, times_pow2
+from gs_lightning.scaling.plan import (
+    Exponent,
+    LeafTargets,
+    ScalePlan,
+    as_read,
+    edge_shift,
+    shift,
+    shift_sent_operands,
+    times_pow2,
+)
 from gs_lightning.scaling.profiled import profiled
 
 Warn = Callable[[str, str], None]
@@ -139,6 +148,7 @@ class UpdateRun:
             dict(self.alpha_out),
             dict(self.slot_alpha),
             frozenset(self.bounds.recomputable),
+            dict(self.decisions.input_shifts),
         )
 
     def absorb(self, inner: UpdateRun) -> None:
@@ -176,6 +186,9 @@ class UpdateRun:
             self.decisions.finite_flags.append((a.layer_names[i], grad_extremes))
             beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
+            shifted = self.decisions.input_shifts.get(i)
+            if shifted is not None:
+                shift_sent_operands(self.graph.nodes[i], *shifted)
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 
@@ -211,15 +224,17 @@ class UpdateRun:
         for k in self.analysis.weight_edges.get(i, ()):
             if out[k] is not None:  # the weight gradients a GEMM computed from a finite ∇Y may still overflow
                 self.decisions.finite_flags.append((self.analysis.layer_names[i], extremes(out[k])))
+        shifted_edges, own = self.decisions.input_shifts.get(i, ((), 0))
         for k, edge in enumerate(self.graph.edges[i]):
             if edge is None:
                 continue
+            carried = alpha + own if k in shifted_edges else alpha  # what a GEMM sends on may carry its own scale
             if edge[0] in self.analysis.leaves:
-                out[k] = times_pow2(out[k], edge_shift(self.graph, edge, alpha, self.slot_alpha, self.leaves))
+                out[k] = times_pow2(out[k], edge_shift(self.graph, edge, carried, self.slot_alpha, self.leaves))
             elif edge in self.analysis.branch_slots:
-                out[k] = self._arrive(edge, out[k], alpha)
+                out[k] = self._arrive(edge, out[k], carried)
             else:
-                self.slot_alpha[edge] = alpha
+                self.slot_alpha[edge] = carried
         return tuple(out)
 
     def _node_scale(self, i: int) -> Exponent:

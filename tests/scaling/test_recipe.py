@@ -176,7 +176,7 @@ BEYOND_PAPER = {
     "recompute_weight_gradients",
     "recomputed_spike_share",
 }
-OPT_IN = {"follow_gradients"}  # off in both presets
+OPT_IN = {"own_input_gradient_scale", "follow_gradients"}  # off in both presets
 
 
 def test_the_paper_preset_differs_from_the_default_in_exactly_the_rules_beyond_the_paper() -> None:
@@ -193,7 +193,7 @@ def test_the_paper_preset_differs_from_the_default_in_exactly_the_rules_beyond_t
         "How a decision measures",
         "Where the paper is silent",
         "Rules beyond the paper",
-        "An opt-in rule",
+        "Opt-in rules",
     ]
     starts = [docstring.index(head) for head in heads] + [len(docstring)]
     for group, start, end in zip(groups, starts, starts[1:]):

@@ -1,0 +1,103 @@
+"""What a GEMM sends on at a scale of its own (``ScalingRecipe.own_input_gradient_scale``).
+
+The models' inputs are large (2^10): a GEMM's weight gradient, which sums inputs times the incoming
+gradient over every position, then overflows fp16 at the scale its input gradient needs against
+underflow, and bounds the node's scale below it. With the rule, the input gradient alone carries the
+binades between the two: its weight, multiplied as the backward unpacks it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gs_lightning import GradientScaler
+from gs_lightning.scaling import ScalingRecipe
+
+
+def _convolutions() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten())
+    return model, torch.rand(8, 3, 16, 16) * 1024.0
+
+
+def _linears() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Flatten())
+    return model, torch.rand(512, 16) * 1024.0
+
+
+MODELS = {"convolutions": _convolutions, "linears": _linears}
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    return model(inputs).square().mean() * 1e-9  # small gradients: their scales matter
+
+
+def _plain_grads(model: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    _loss(model, inputs).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_what_a_gemm_sends_on_carries_its_own_scale_and_every_gradient_stays_exact(name: str) -> None:
+    """fp32 arithmetic: every scale a power of two, so the gradients are the plain backward's bit for bit, on the
+    update iteration and the replays, while the second GEMM sends on at a scale above the one its weight
+    gradients allow."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    expected = _plain_grads(model, inputs)
+    scaler = GradientScaler(model, own_input_gradient_scale=True, update_interval=3)
+    sent: list[torch.Tensor] = []
+    for _ in range(4):  # an update, two replays, an update
+        model.zero_grad(set_to_none=True)
+        hidden = model[1](model[0](inputs))
+        hidden.register_hook(sent.append)  # what the second GEMM sent on, as it carries it
+        loss = model[3](model[2](hidden)).square().mean() * 1e-9
+        scaler.backward(loss)
+        assert not scaler.found_inf
+        for parameter, grad in zip(model.parameters(), expected):
+            assert torch.equal(parameter.grad, grad)
+        scaler.update()
+    second = next(layer for layer in scaler.layers() if layer.name == "2")
+    assert second.kind == "gemm" and second.input_gradient_shift > 0
+    # the node's own scale is held below γ' by its parameter gradients; what it sent on carried the shift more
+    assert second.limit.name in {
+        "WEIGHT_GRADIENT",
+        "BIAS_GRADIENT",
+        "EXPECTED_PARAMETER_GRADIENTS",
+        "RECOMPUTED_SPIKES",
+        "SPIKE_ROOM",
+    }
+    model.zero_grad(set_to_none=True)
+    hidden = model[1](model[0](inputs))
+    hidden.retain_grad()
+    (model[3](model[2](hidden)).square().mean() * 1e-9).backward()
+    for carried in sent:
+        assert torch.equal(carried, hidden.grad * 2.0 ** (second.log2_total + second.input_gradient_shift))
+
+
+def test_the_shift_is_off_by_default_and_in_the_paper_preset_and_survives_a_resume() -> None:
+    torch.manual_seed(0)
+    model, inputs = _convolutions()
+    for recipe in (ScalingRecipe(), ScalingRecipe.paper()):
+        scaler = GradientScaler(model, recipe)
+        scaler.backward(_loss(model, inputs))
+        assert not scaler.found_inf
+        scaler.update()
+        assert all(layer.input_gradient_shift == 0 for layer in scaler.layers())
+
+    expected = _plain_grads(model, inputs)
+    scaler = GradientScaler(model, own_input_gradient_scale=True)
+    while scaler._backwards.updates_next():  # the first updates (the second measures the weight gradients)
+        scaler.backward(_loss(model, inputs))
+        assert not scaler.found_inf  # the step's read, which asks for the next update
+        scaler.update()
+    resumed = GradientScaler(model, own_input_gradient_scale=True)
+    resumed.load_state_dict(scaler.state_dict())
+    assert resumed.graphs[0].plans[()].input_shift == scaler.graphs[0].plans[()].input_shift != {}
+    model.zero_grad(set_to_none=True)
+    resumed.backward(_loss(model, inputs))  # a replay of the restored plan, shifts included
+    assert resumed.update_iterations == scaler.update_iterations  # the count resumed, none added
+    for parameter, grad in zip(model.parameters(), expected):
+        assert torch.equal(parameter.grad, grad)

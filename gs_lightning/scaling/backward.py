@@ -258,6 +258,8 @@ class ScaledBackwards:
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales, reasons)
         # Registered first, so it runs first: the engine calls _finish once this graph's backward is done.
         prepared.handles.append(root.register_prehook(partial(self._queue_finish, prepared)))
+        if run is None and not path:  # before the plan's hooks: what each GEMM sent, at the scale it carries
+            prepared.handles += scales.sent_maxima.register(graph, plan)
         prepared.handles += run.register() if run is not None else plan.replay(graph, leaves)
         if not path:  # after the replay's own hooks: what is kept is what the nodes use
             self.read.recompute.clear()
@@ -329,6 +331,8 @@ class ScaledBackwards:
                 analysis.derive("format-bounded leaves", lambda: format_bounded_leaves(graph, analysis))
             )
         )
+        # a saved-tensor hook per shifted GEMM: not where a compiled module replays the scales in its graph
+        own_input_scale = recipe.own_input_gradient_scale and not (path or self.compiled)
         if recipe.keep_scale_on_zero_gradient and not path:  # a bias all zeros between updates: it received zeros
             scales.drift.summed = analysis.derive("summed leaves", lambda: summed_leaves(graph, analysis))
         return Settings(
@@ -347,8 +351,8 @@ class ScaledBackwards:
             if recipe.keep_scale_on_zero_gradient
             else {},
             measured_weight_nodes=scales.measured_weights.get(path),
-            # a saved-tensor hook per shifted GEMM: not where a compiled module replays the scales in its graph
-            own_input_scale=recipe.own_input_gradient_scale and not (path or self.compiled),
+            own_input_scale=own_input_scale,
+            sent_maxima=scales.sent_maxima.expected() if own_input_scale else {},
             recipe=recipe,
         )
 

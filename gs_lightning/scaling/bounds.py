@@ -57,6 +57,9 @@ class Settings:
             incoming gradient is all zeros keeps (:attr:`ScalingRecipe.keep_scale_on_zero_gradient`; empty: none).
         own_input_scale: Whether a GEMM may send on at a scale of its own
             (:attr:`ScalingRecipe.own_input_gradient_scale`, on eager graphs).
+        sent_maxima: GEMM -> the largest input gradient it sent on at a scale of its own in the recent replays
+            (:meth:`SentMaxima.expected <gs_lightning.scaling.sent_maxima.SentMaxima.expected>`): what bounds that
+            scale; none before a replay measured it.
         measured_weight_nodes: The GEMMs whose weight gradients are computed exactly, where their Cauchy–Schwarz bound
             binds (:meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>`): those
             where it held the scale on an earlier update (:attr:`GraphScales.measured_weights
@@ -78,6 +81,7 @@ class Settings:
     previous_totals: Mapping[int, Exponent] = field(default_factory=dict)
     measured_weight_nodes: frozenset[int] | None = None
     own_input_scale: bool = False
+    sent_maxima: Mapping[int, float] = field(default_factory=dict)
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
 
 
@@ -101,8 +105,6 @@ class ScaleBounds:
         expected: GEMM node -> the largest value its parameter gradients are expected to reach.
         recomputable: GEMMs whose weight gradients the replays recompute in fp32 if they overflow.
         fed_maxima: Such a GEMM -> the expected maxima of the parameter gradients it feeds.
-        recomputed_spikes: Such a GEMM -> the binades of its parameter gradients' spikes its bound leaves to the
-            recompute (:attr:`ScalingRecipe.recomputed_spike_share`): what it sends on is not recomputed.
         kept_downstream: Node -> the highest accumulated scale any gradient it sends on is used at.
     """
 
@@ -110,7 +112,6 @@ class ScaleBounds:
         self.graph, self.analysis, self.settings, self.leaves = graph, analysis, settings, leaves
         self.recomputable: set[int] = set()
         self.fed_maxima: dict[int, float] = {}
-        self.recomputed_spikes: dict[int, float] = {}
         self.expected = self._expected_maxima()
         recipe = settings.recipe
         self.kept_downstream = (
@@ -146,9 +147,7 @@ class ScaleBounds:
             if self.settings.recompute and recomputable(graph, analysis, i, self.leaves.deferred):
                 self.recomputable.add(i)
             if i in self.recomputable and expected > 0.0 and level > 0.0:
-                share = self.settings.recipe.recomputed_spike_share
-                maxima[i] = level * (expected / level) ** share
-                self.recomputed_spikes[i] = (1.0 - share) * math.log2(expected / level)
+                maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
                 fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i)), default=0.0)
                 if fed > 0.0:
                     self.fed_maxima[i] = fed

@@ -241,7 +241,10 @@ class NodeDecisions:
         low_precision = any(g.dtype in FORMATS for g, _ in parts)
         on_device = any(isinstance(a, torch.Tensor) for a in alphas)
         device = parts[0][0].device
-        if summed and not low_precision and self.settings.recipe.wide_branch_scale == "smallest":
+        # the smallest incoming scale, where shifting the others down is exact (a sum in a wider format) or where
+        # parts may carry their GEMMs' own scales (raised for the values they hold, not for a sum to share them)
+        wide = not low_precision and self.settings.recipe.wide_branch_scale == "smallest"
+        if summed and (wide or self.settings.own_input_scale):
             return self.bounds.capped(exponent_vector(alphas, device).amin() if on_device else min(alphas), i)
         sum_bound = summed and self.settings.recipe.branch_sum_bound
         low_precision_sum = sum_bound and len(parts) > 1 and low_precision
@@ -353,40 +356,11 @@ class NodeDecisions:
             bound = bound._replace(index=torch.where(zero, kept, bound.index))
         beta = where_or(decided, beta, 0.0)
         shift: Exponent = 0
-        if s.own_input_scale and sent_values and weight_values and self._shiftable(i, operands):
-            sent_limits = [k for k, b in enumerate(bounds) if b.limit in _SENT_LIMITS]
-            beta_sent, _ = self.bounds.choose(
-                i,
-                alpha,
-                largest(lower_sent, device),
-                [bounds[k] for k in sent_limits],
-                limits.index_select(0, _positions(tuple(sent_limits), device)),
+        if s.own_input_scale and self._shiftable(i, operands):
+            shift = self._input_shift(
+                i, alpha, beta, largest(lower_sent, device), bounds, limits, operands, operand_max
             )
-            # the growth in batch norms before the next decision, a branch's sum's too (its merge bounds only the
-            # batch at hand)
-            gains = [
-                g.to(device)
-                for k, _ in operands
-                if (g := self.bounds.gains_after.get(self.graph.edges[i][k][0])) is not None
-            ]
-            sent_max = _grown(
-                largest([magnitude(extremes(v)) for v in sent_values], device),
-                largest(gains, device) if gains else None,
-            )
-            weight_max = largest([magnitude(extremes(v)) for v in weight_values], device)
-            ceilings = [
-                beta_sent - beta,
-                # what it sends on, at most as near λmax as its weight gradients: the spikes of the batches to come,
-                # which their bounds keep room for, lift both (all of them: it is not recomputed)
-                torch.floor(torch.log2(weight_max / sent_max) - self.bounds.recomputed_spikes.get(i, 0.0)),
-                # its weight times 2^shift finite in the weight's own format
-                *(
-                    torch.ceil(overflow_max_log2_scale(operand_max[j], torch.finfo(op.operand.dtype).max)) - 1.0
-                    for j, (_, op) in enumerate(operands)
-                ),
-            ]
-            shift = torch.stack(ceilings).amin().clamp_min(0.0)
-            shift = where_or(decided & (grad_max > 0.0) & finite(shift), shift, 0.0)
+            shift = where_or(decided & (grad_max > 0.0) & finite(shift), shift, 0.0) if shift is not None else 0
             self.input_shifts[i] = (tuple(k for k, _ in operands), shift)
         modelled = [
             (partial(gemm_underflow_rate, lambda_min=s.lambda_min, accumulation_length=n), (sigma,))
@@ -400,6 +374,51 @@ class NodeDecisions:
         layer = UnreadLayer(self.analysis.layer_names[i], "gemm", beta, alpha, bound, decided, shift)
         self._add(layer, modelled, measured)
         return beta
+
+    def _input_shift(
+        self,
+        i: int,
+        alpha: Exponent,
+        beta: torch.Tensor,
+        lower_sent: torch.Tensor,
+        bounds: list[Bound],
+        limits: torch.Tensor,
+        operands: list[tuple[int, Any]],
+        operand_max: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The binades above its scale ``alpha + beta`` that GEMM ``i`` sends on at: what γ' asks of it, within its own
+        overflow bounds (``bounds``' of what it sends on), the caps, and the largest it sent on in the recent replays
+        (:attr:`Settings.sent_maxima`) with the expected maxima's margin, grown by the batch norms it reaches before
+        the next decision, a branch's sum's included; its weight times the factor finite in the weight's own format.
+        ``None`` before a replay measured what it sends on (then it sends at the node's scale, and the replays
+        measure it). A 0-dim float64 tensor, unread."""
+        s, device = self.settings, beta.device
+        expected = s.sent_maxima.get(i)
+        if expected is None:
+            return None
+        positions = [k for k, bound in enumerate(bounds) if bound.limit in _SENT_LIMITS]
+        beta_sent, _ = self.bounds.choose(
+            i,
+            alpha,
+            lower_sent,
+            [bounds[k] for k in positions],
+            limits.index_select(0, _positions(tuple(positions), device)),
+        )
+        edges = self.graph.edges[i]
+        gains = [g.to(device) for k, _ in operands if (g := self.bounds.gains_after.get(edges[k][0])) is not None]
+        grown = _grown(as_float64(expected, device), largest(gains, device) if gains else None)
+        margin = s.recipe.expected_maxima_margin_log2 or 0.0
+        # the highest accumulated scale that keeps it the margin below λmax, an integer strictly below
+        highest_total = torch.ceil(overflow_max_log2_scale(grown, s.lambda_max) - margin) - 1.0
+        ceilings = [
+            beta_sent - beta,
+            highest_total - (alpha + beta),
+            *(
+                torch.ceil(overflow_max_log2_scale(largest_value, torch.finfo(op.operand.dtype).max)) - 1.0
+                for largest_value, (_, op) in zip(operand_max, operands)
+            ),
+        ]
+        return torch.stack(ceilings).amin().clamp_min(0.0)
 
     def _shiftable(self, i: int, operands: list[tuple[int, Any]]) -> bool:
         """Whether GEMM ``i`` can send on at a scale of its own: it computes parameter gradients (what holds its

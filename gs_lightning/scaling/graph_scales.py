@@ -24,6 +24,7 @@ from gs_lightning.scaling.graph import AutogradGraph, GraphAnalysis
 from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.plan import ScalePlan
 from gs_lightning.scaling.schedule import UpdateReason, UpdateSchedule
+from gs_lightning.scaling.sent_maxima import SentMaxima
 from gs_lightning.scaling.walks import parameter_leaves
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class GraphScales:
             :attr:`follower`) and of each reentrant checkpoint's inner graph.
         analyses: Their node classifications (rebuilt after a restore or :meth:`GradientScaler.attach`).
         drift: Its weight gradients' largest values, between updates and at them.
+        sent_maxima: The largest input gradients its GEMMs sent on at a scale of their own, replay by replay.
         follower: The GEMMs' shifts from the last update's plan, which the step moves
             (:mod:`~gs_lightning.scaling.follow`; :attr:`plans` holds the shifted plan).
         layer_backoff: Caps on its nodes that overflowed.
@@ -58,6 +60,7 @@ class GraphScales:
         self.plans: dict[Path, ScalePlan] = {}
         self.analyses: dict[Path, GraphAnalysis] = {}
         self.drift = drift
+        self.sent_maxima = SentMaxima(drift.window)
         self.follower = LevelFollower()
         self.layer_backoff = LayerBackoff()
         self._layers: dict[str, LayerScale] = {}
@@ -126,6 +129,7 @@ class GraphScales:
         """Put what the last update left on the device into ``read``, under this structure's keys: its scales and
         decisions, its finiteness flags, its underflow counts (:meth:`take_reading` takes them back)."""
         read.put((self, "scales"), self._unread_scales())
+        self.sent_maxima.put(read, (self, "sent"))
         if self._unread is None:
             return
         flags, rates = self._unread
@@ -137,6 +141,7 @@ class GraphScales:
     def take_reading(self, values: Mapping[Hashable, list[float]]) -> None:
         """:meth:`put_unread`'s tensors as read (``values``, by key): the scales and decisions, the first
         non-finite layer, the layers' underflow rates."""
+        self.sent_maxima.take(values[self, "sent"])
         if not self._runs and self._unread is None:
             return  # nothing was left on the device
         known = dict(zip(self._unread_scales(), values[self, "scales"]))
@@ -193,6 +198,7 @@ class GraphScales:
             "edges": [[list(e) if e is not None else None for e in edges] for edges in self.edges],
             "plans": [[list(path), plan.state_dict()] for path, plan in self.plans.items()],
             "drift": self.drift.state_dict(),
+            "sent_maxima": self.sent_maxima.state_dict(),
             "follower": self.follower.state_dict(),
             "layer_backoff": self.layer_backoff.state_dict(),
             "layers": [layer.state_dict() for layer in self.layers.values()],
@@ -208,6 +214,7 @@ class GraphScales:
         graph = cls(tuple(state["names"]), edges, drift)
         graph.plans = {tuple(path): ScalePlan.from_state_dict(plan) for path, plan in state["plans"]}
         graph.drift.load_state_dict(state.get("drift", {}))
+        graph.sent_maxima.load_state_dict(state.get("sent_maxima", {}))
         graph.follower.load_state_dict(state.get("follower", {}))
         graph.layer_backoff.load_state_dict(state.get("layer_backoff", []))
         graph.layers = {layer["name"]: LayerScale.from_state_dict(layer) for layer in state.get("layers", [])}

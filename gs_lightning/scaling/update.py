@@ -186,9 +186,9 @@ class UpdateRun:
             self.decisions.finite_flags.append((a.layer_names[i], grad_extremes))
             beta = self._decide(i, grad, grad_extremes, [g for _, g in present], alpha)
             grads = [times_pow2(g, beta) for g in grads]
-            shifted = self.decisions.input_shifts.get(i)
-            if shifted is not None:
-                shift_sent_operands(self.graph.nodes[i], *shifted)
+            edges, own = self.decisions.input_shifts.get(i, ((), 0))
+            if isinstance(own, torch.Tensor) or own:
+                shift_sent_operands(self.graph.nodes[i], edges, own)
         self.alpha_out[i] = alpha + beta
         return tuple(grads)
 

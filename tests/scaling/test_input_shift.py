@@ -42,13 +42,14 @@ def _plain_grads(model: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_what_a_gemm_sends_on_carries_its_own_scale_and_every_gradient_stays_exact(name: str) -> None:
     """fp32 arithmetic: every scale a power of two, so the gradients are the plain backward's bit for bit, on the
-    update iteration and the replays, while the second GEMM sends on at a scale above the one its weight
-    gradients allow."""
+    update iterations and the replays, while the second GEMM sends on at a scale above the one its weight
+    gradients allow, from the second update on (the replays before it measured what it sends on)."""
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
     expected = _plain_grads(model, inputs)
     scaler = GradientScaler(model, own_input_gradient_scale=True, update_interval=3)
     sent: list[torch.Tensor] = []
+    first = None
     for _ in range(4):  # an update, two replays, an update
         model.zero_grad(set_to_none=True)
         hidden = model[1](model[0](inputs))
@@ -59,6 +60,8 @@ def test_what_a_gemm_sends_on_carries_its_own_scale_and_every_gradient_stays_exa
         for parameter, grad in zip(model.parameters(), expected):
             assert torch.equal(parameter.grad, grad)
         scaler.update()
+        first = first or next(layer for layer in scaler.layers() if layer.name == "2")
+    assert first.input_gradient_shift == 0  # nothing measured what it sends on yet: the node's scale
     second = next(layer for layer in scaler.layers() if layer.name == "2")
     assert second.kind == "gemm" and second.input_gradient_shift > 0
     # the node's own scale is held below γ' by its parameter gradients; what it sent on carried the shift more
@@ -73,8 +76,9 @@ def test_what_a_gemm_sends_on_carries_its_own_scale_and_every_gradient_stays_exa
     hidden = model[1](model[0](inputs))
     hidden.retain_grad()
     (model[3](model[2](hidden)).square().mean() * 1e-9).backward()
-    for carried in sent:
-        assert torch.equal(carried, hidden.grad * 2.0 ** (second.log2_total + second.input_gradient_shift))
+    # the last update's: the first sent at the node's scale, and the replays measured what it sent
+    assert torch.equal(sent[-1], hidden.grad * 2.0 ** (second.log2_total + second.input_gradient_shift))
+    assert torch.equal(sent[0], hidden.grad * 2.0**first.log2_total)
 
 
 def test_the_shift_is_off_by_default_and_in_the_paper_preset_and_survives_a_resume() -> None:

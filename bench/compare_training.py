@@ -8,8 +8,9 @@ Methods, in three settings:
 
 * fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
   scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS, GS with the paper's
-  Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper), on request GS following the
-  gradients between updates (``follow_gradients=True``);
+  Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper), on request GS's variants
+  (:data:`GS_VARIANTS`: following the gradients between updates, without the fp32 recompute, with GEMMs sending
+  their input gradients at scales of their own);
 * fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
   GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
   dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor
@@ -71,6 +72,14 @@ PAPER_LABEL = "GS, paper's Algorithm 1"
 FOLLOW_LABEL = "GS, following the gradients"
 # GS with recompute_weight_gradients=False: what keeping the operands for the fp32 recompute buys (issue 51)
 NO_RECOMPUTE_LABEL = "GS, no fp32 recompute"
+# GS with ScalingRecipe.own_input_gradient_scale: what a GEMM sends on at a scale of its own (issue 51)
+OWN_INPUT_SCALE_LABEL = "GS, own input-gradient scales"
+# GS with recipe fields changed, run in fp16 and e5m2 on request: (key suffix, label, fields)
+GS_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("follow", FOLLOW_LABEL, {"follow_gradients": True}),
+    ("no-recompute", NO_RECOMPUTE_LABEL, {"recompute_weight_gradients": False}),
+    ("own-input-scale", OWN_INPUT_SCALE_LABEL, {"own_input_gradient_scale": True}),
+)
 _FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}
 
 
@@ -107,6 +116,16 @@ def _methods() -> dict[str, Method]:
     def entering(key: str, fmt: torch.dtype, label: str, make: Callable[[nn.Module], Any]) -> Method:
         return Method(key, f"bf16 + {_FORMAT_NAMES[fmt]} ∇Y", label, b16, True, fmt, make, "entering")
 
+    def gs_variants(grads: str, grad_dtype: torch.dtype | None) -> list[Method]:
+        """:data:`GS_VARIANTS` with ``grads`` gradients."""
+        dtype = {} if grad_dtype is None else {"dtype": grad_dtype}
+
+        def variant(suffix: str, label: str, fields: dict[str, Any]) -> Method:
+            make = lambda m: GradientScaler(m, **dtype, **fields)  # noqa: E731
+            return Method(f"{grads}-gs-{suffix}", grads, label, f16, True, grad_dtype, make)
+
+        return [variant(*v) for v in GS_VARIANTS]
+
     rows = [
         Method("fp32", "fp32", "fp32 (reference)", None, False, None, lambda m: NoScaling()),
         Method("bf16", "bf16", "bf16 (real CPU kernels)", b16, False, None, lambda m: NoScaling()),
@@ -116,18 +135,7 @@ def _methods() -> dict[str, Method]:
         Method("fp16-dynamic", "fp16", "dynamic loss scale", f16, True, None, lambda m: DynamicLossScale()),
         Method("fp16-gs", "fp16", "GS", f16, True, None, lambda m: GradientScaler(m)),
         Method("fp16-gs-paper", "fp16", PAPER_LABEL, f16, True, None, lambda m: GradientScaler(m, "paper")),
-        Method(
-            "fp16-gs-follow", "fp16", FOLLOW_LABEL, f16, True, None, lambda m: GradientScaler(m, follow_gradients=True)
-        ),
-        Method(
-            "fp16-gs-no-recompute",
-            "fp16",
-            NO_RECOMPUTE_LABEL,
-            f16,
-            True,
-            None,
-            lambda m: GradientScaler(m, recompute_weight_gradients=False),
-        ),
+        *gs_variants("fp16", None),
         Method("e5m2-none", "e5m2", "no scaling", f16, True, E5M2, lambda m: NoScaling()),
         Method("e5m2-fixed4096", "e5m2", "fixed loss scale 4096", f16, True, E5M2, lambda m: FixedLossScale(4096)),
         Method("e5m2-dynamic", "e5m2", "dynamic loss scale", f16, True, E5M2, lambda m: DynamicLossScale()),
@@ -161,24 +169,7 @@ def _methods() -> dict[str, Method]:
         ),
         Method("e5m2-gs", "e5m2", "GS", f16, True, E5M2, lambda m: GradientScaler(m, dtype=E5M2)),
         Method("e5m2-gs-paper", "e5m2", PAPER_LABEL, f16, True, E5M2, lambda m: GradientScaler(m, "paper", dtype=E5M2)),
-        Method(
-            "e5m2-gs-follow",
-            "e5m2",
-            FOLLOW_LABEL,
-            f16,
-            True,
-            E5M2,
-            lambda m: GradientScaler(m, dtype=E5M2, follow_gradients=True),
-        ),
-        Method(
-            "e5m2-gs-no-recompute",
-            "e5m2",
-            NO_RECOMPUTE_LABEL,
-            f16,
-            True,
-            E5M2,
-            lambda m: GradientScaler(m, dtype=E5M2, recompute_weight_gradients=False),
-        ),
+        *gs_variants("e5m2", E5M2),
         Method(
             "e4m3-mx", "e4m3fn", "MX blocks of 32 (MXFP8)", f16, True, E4M3, lambda m: RecipeScaling(MXBlockScaling())
         ),
@@ -204,15 +195,12 @@ def _methods() -> dict[str, Method]:
 
 
 METHODS = _methods()
-# format-for-format checks, the opt-in follower and GS without the fp32 recompute, run on request
+# format-for-format checks and GS's variants (the opt-in rules, GS without the fp32 recompute), run on request
 OPTIONAL_METHODS = (
     "e4m3-gs",
     "e5m2-in-mx",
     "e4m3-in-gs",
-    "fp16-gs-follow",
-    "e5m2-gs-follow",
-    "fp16-gs-no-recompute",
-    "e5m2-gs-no-recompute",
+    *(f"{grads}-gs-{suffix}" for grads in ("fp16", "e5m2") for suffix, _, _ in GS_VARIANTS),
 )
 DEFAULT_METHODS = tuple(k for k in METHODS if k not in OPTIONAL_METHODS)
 

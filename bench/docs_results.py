@@ -843,7 +843,10 @@ PAGES = (
             "rules beyond the paper), so the two rows show what those rules buy and cost. *GS, following the "
             "gradients*: `follow_gradients=True` (opt-in: the step raises a layer's scale as its weight gradients "
             "fall, instead of an update). *GS, no fp32 recompute*: `recompute_weight_gradients=False`, which keeps "
-            "nothing between updates: beside *GS*, what keeping the operands buys (its memory: [Memory](memory.md)).",
+            "nothing between updates: beside *GS*, what keeping the operands buys (its memory: [Memory](memory.md)). "
+            "*GS, own input-gradient scales*: `own_input_gradient_scale=True` (opt-in: a GEMM whose weight gradients "
+            "hold its scale down sends its input gradient at the scale that gradient needs, bounded by the largest "
+            "it sent in recent replays).",
             "*GEMM-gradient underflow*: of each gradient the emulation casts (what a backward GEMM produces, or on "
             "the hardware path what enters it), the fraction of its nonzero exact values that rounding made zero, "
             "averaged over tensors and steps. *Oracle underflow*: the same for the best power-of-two scale of each "

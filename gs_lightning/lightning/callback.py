@@ -281,6 +281,14 @@ class GradientScalingCallback(Callback):
         metrics.update(
             {f"gs/raised/{layer.name}": float(raised.get(layer.name, 0)) for layer in layers if layer.kind == "gemm"}
         )
+        if scaler.recipe.own_input_gradient_scale:
+            metrics.update(
+                {
+                    f"gs/input_shift/{layer.name}": float(layer.input_gradient_shift)
+                    for layer in layers
+                    if layer.kind == "gemm"
+                }
+            )
         metrics.update({f"gs/underflow/{layer.name}": layer.underflow_rate for layer in layers})
         metrics.update(
             {

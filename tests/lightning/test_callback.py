@@ -54,6 +54,19 @@ def fit(
     return trainer
 
 
+def test_the_input_gradient_shifts_are_logged_where_the_recipe_gives_them(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plugin = GradientScalingPlugin(update_interval=2, own_input_gradient_scale=True)
+    logger = CSVLogger(tmp_path)
+    fit(plugin, GradientScalingCallback(log_every_n_steps=2), 4, tmp_path, logger=logger)
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("gs/skipped_steps")]
+    gemms = [layer for layer in plugin.scaler.layers() if layer.kind == "gemm"]
+    assert gemms and all(
+        float(rows[-1][f"gs/input_shift/{layer.name}"]) == layer.input_gradient_shift for layer in gemms
+    )
+
+
 def test_csv_metrics_have_the_scales_at_every_nth_step_and_the_end(tmp_path: Path) -> None:
     torch.manual_seed(0)
     plugin, callback = GradientScalingPlugin(update_interval=2), GradientScalingCallback(log_every_n_steps=2)

@@ -14,6 +14,7 @@ from torch import nn
 
 from gs_lightning import GradientScaler
 from gs_lightning.scaling import ScalingRecipe
+from gs_lightning.scaling.sent_maxima import SentMaxima
 
 
 def _convolutions() -> tuple[nn.Module, torch.Tensor]:
@@ -76,6 +77,9 @@ def test_what_a_gemm_sends_on_carries_its_own_scale_and_every_gradient_stays_exa
     hidden = model[1](model[0](inputs))
     hidden.retain_grad()
     (model[3](model[2](hidden)).square().mean() * 1e-9).backward()
+    # each replay measured the largest value the second GEMM sent on, at its true scale (exactly: fp32, powers of two)
+    node = next(i for i, name in scaler.graphs[0].analyses[()].layer_names.items() if name == "2")
+    assert scaler.graphs[0].sent_maxima.expected() == {node: hidden.grad.abs().max().item()}
     # the last update's: the first sent at the node's scale, and the replays measured what it sent
     assert torch.equal(sent[-1], hidden.grad * 2.0 ** (second.log2_total + second.input_gradient_shift))
     assert torch.equal(sent[0], hidden.grad * 2.0**first.log2_total)
@@ -105,3 +109,15 @@ def test_the_shift_is_off_by_default_and_in_the_paper_preset_and_survives_a_resu
     assert resumed.update_iterations == scaler.update_iterations  # the count resumed, none added
     for parameter, grad in zip(model.parameters(), expected):
         assert torch.equal(parameter.grad, grad)
+
+
+def test_a_non_finite_maximum_is_not_kept_and_the_window_forgets_the_oldest() -> None:
+    """A replay whose input gradient overflowed skips its step: its maximum says nothing of the scale."""
+    maxima = SentMaxima(window=2)
+    for values in ([1.0, 4.0], [float("inf"), 8.0], [float("nan"), 2.0]):
+        maxima._pending = [(3, torch.zeros(())), (5, torch.zeros(()))]
+        maxima.take(values)
+    assert maxima.expected() == {3: 1.0, 5: 8.0}  # node 5: the last two (8, 2); node 3: its one finite value
+    restored = SentMaxima(window=2)
+    restored.load_state_dict(maxima.state_dict())
+    assert restored.expected() == maxima.expected()

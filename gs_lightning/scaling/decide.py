@@ -206,7 +206,7 @@ class NodeDecisions:
         self.weight_binds: dict[int, torch.Tensor] = {}
         self.unmeasured: set[int] = set()
         self.weight_bound: set[int] = set()  # once read in
-        self.input_shifts: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # GEMM -> its edges, their own scale
+        self.input_shifts: dict[int, tuple[tuple[int, ...], Exponent]] = {}  # GEMM -> its edges, their own scale
 
     def decide(
         self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent

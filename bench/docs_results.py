@@ -493,7 +493,8 @@ def skipped_parameters(run: Recorded, task: str, rows: list[dict[str, Any]]) -> 
         skips = [skip for r in runs for skip in r.get("skips") or ()]
         if skips:
             causes = skip_causes(skips)
-            lines.append(f"- {row['gradients']} {row['method']}, {len(skips)} in {len(runs)} runs: {causes}")
+            steps = f"{len(skips)} skipped step{'s' if len(skips) > 1 else ''} in {len(runs)} runs"
+            lines.append(f"- {row['gradients']} {row['method']}, {steps}: {causes}")
     if not lines:
         return []
     return [

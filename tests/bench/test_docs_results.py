@@ -107,7 +107,7 @@ def test_the_training_section_leads_with_a_figure_and_narrow_tables(docs_results
     data[1]["skips"] = [{"step": 4, "non_finite": ["fc.bias", "fc.weight"]}]
     data[5]["skips"] = [{"step": 9, "non_finite": ["fc.bias"]}]
     skipped = "\n".join(docs_results.training_section(run))
-    assert "- fp16 dynamic loss scale, 2 in 2 runs: fc.bias (2 of 2), fc.weight (1 of 2)" in skipped
+    assert "- fp16 dynamic loss scale, 2 skipped steps in 2 runs: fc.bias (2 of 2), fc.weight (1 of 2)" in skipped
 
     answer = "\n".join(docs_results.training_answer([run]))
     assert "| ResNet-8 | fp16 | 0.5\u00a0·\u00a00% | 0.5\u00a0·\u00a02·10⁻⁷% | 0.5\u00a0·\u00a02·10⁻⁷% |" in answer

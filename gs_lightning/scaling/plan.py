@@ -157,7 +157,15 @@ def shift_sent_operands(node: Node, edges: tuple[int, ...], exponent: Exponent) 
     """
     names = operator(type(node).__name__).sent_operands
     for edge in edges:
-        getattr(node, f"_raw_saved_{names[edge]}").register_hooks(_as_saved, _unpacked_times_pow2(exponent))
+        saved = getattr(node, f"_raw_saved_{names[edge]}")
+        if saved.unpack_hook is not None:  # the update found none: the scales downstream expect the shift
+            raise RuntimeError(
+                f"GradientScaler: own_input_gradient_scale multiplies the {names[edge]!r} that {type(node).__name__} "
+                "saved, but on this backward a saved-tensor hook of another owns it (torch.autograd.graph."
+                "saved_tensors_hooks, or checkpointing turned on since the last update); keep such hooks on every "
+                "iteration or on none, or turn own_input_gradient_scale off."
+            )
+        saved.register_hooks(_as_saved, _unpacked_times_pow2(exponent))
 
 
 def _as_saved(tensor: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,20 @@ def test_a_non_finite_maximum_is_not_kept_and_the_window_forgets_the_oldest() ->
     restored = SentMaxima(window=2)
     restored.load_state_dict(maxima.state_dict())
     assert restored.expected() == maxima.expected()
+
+
+def test_a_replay_whose_shifted_weight_another_hook_owns_says_so() -> None:
+    """The update found the weight free to shift; a later forward under saved-tensor hooks cannot take the shift,
+    and the scales below it expect it: an error naming the way out, not gradients off by a power of two."""
+    torch.manual_seed(0)
+    model, inputs = _convolutions()
+    scaler = GradientScaler(model, own_input_gradient_scale=True)
+    while not any(layer.input_gradient_shift for layer in scaler.layers()):  # until a plan shifts a GEMM
+        scaler.backward(_loss(model, inputs))
+        assert not scaler.found_inf
+        scaler.update()
+    assert not scaler._backwards.updates_next()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = _loss(model, inputs)
+    with pytest.raises(RuntimeError, match="own_input_gradient_scale multiplies the 'weight'"):
+        scaler.backward(loss)

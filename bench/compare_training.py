@@ -121,7 +121,9 @@ def _methods() -> dict[str, Method]:
         dtype = {} if grad_dtype is None else {"dtype": grad_dtype}
 
         def variant(suffix: str, label: str, fields: dict[str, Any]) -> Method:
-            make = lambda m: GradientScaler(m, **dtype, **fields)  # noqa: E731
+            def make(model: nn.Module) -> GradientScaler:
+                return GradientScaler(model, **dtype, **fields)
+
             return Method(f"{grads}-gs-{suffix}", grads, label, f16, True, grad_dtype, make)
 
         return [variant(*v) for v in GS_VARIANTS]

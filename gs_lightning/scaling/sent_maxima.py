@@ -12,6 +12,7 @@ device, read with the step's read), and an update bounds the GEMM's own scale by
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable, Mapping
 from functools import partial
@@ -46,7 +47,7 @@ class SentMaxima:
         ]
 
     def _record(self, i: int, edges: tuple[int, ...], log2_scale: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        sent = [grad_inputs[k] for k in edges if k < len(grad_inputs) and grad_inputs[k] is not None]
+        sent = [grad_inputs[k] for k in edges if grad_inputs[k] is not None]
         if sent:
             maxima = [magnitude(extremes(g)) for g in sent]
             largest = maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
@@ -60,7 +61,7 @@ class SentMaxima:
         """:meth:`put`'s values as read: each GEMM's history grows by one (a non-finite value skips its step and is
         not kept)."""
         for (i, _), value in zip(self._pending, values):
-            if value == value and value != float("inf"):
+            if math.isfinite(value):
                 self._history.setdefault(i, deque(maxlen=self.window)).append(value)
         self._pending = []
 

@@ -189,7 +189,7 @@ class Recorded:
 
     def provenance_lines(self) -> list[str]:
         lines = ["```bash", self.provenance["command"], "```", "", f"Measured here: {_measured(self.provenance)}", ""]
-        for added in self.provenance.get("additions", []):
+        for added in self._standing_additions():
             lines += [
                 "Rows added later to the same JSON (`--merge`) by:",
                 "",
@@ -204,13 +204,26 @@ class Recorded:
 
     def added_methods(self) -> set[str]:
         """The method keys later commands added (their ``--methods``), whose seconds were measured apart."""
-        keys: set[str] = set()
-        for added in self.provenance.get("additions", []):
-            words = shlex.split(added["command"])
-            if "--methods" in words:
-                rest = words[words.index("--methods") + 1 :]
-                keys.update(word for word in rest[: next((i for i, w in enumerate(rest) if w.startswith("-")), None)])
-        return keys
+        return {method for added in self.provenance.get("additions", []) for method in _option(added, "--methods")}
+
+    def _standing_additions(self) -> list[dict[str, Any]]:
+        """The later commands some row still comes from: one whose tasks and methods a later one all ran again is
+        left out (its rows were replaced; the JSON keeps its record)."""
+        additions = self.provenance.get("additions", [])
+        base_tasks = _option(self.provenance, "--tasks")
+        rows = [
+            {(t, m) for t in (_option(a, "--tasks") or base_tasks) for m in _option(a, "--methods")} for a in additions
+        ]
+        return [added for i, added in enumerate(additions) if not rows[i] or not rows[i] <= set().union(*rows[i + 1 :])]
+
+
+def _option(provenance: dict[str, Any], flag: str) -> list[str]:
+    """The words after ``flag`` in a recorded command, up to the next option (none where it has no ``flag``)."""
+    words = shlex.split(provenance["command"])
+    if flag not in words:
+        return []
+    rest = words[words.index(flag) + 1 :]
+    return rest[: next((i for i, w in enumerate(rest) if w.startswith("-")), None)]
 
 
 def _measured(provenance: dict[str, Any]) -> str:
@@ -344,7 +357,7 @@ def aggregate(runs: list[dict[str, Any]], methods: dict[str, Any]) -> list[dict[
                 "final train loss": _mean_std([_final_loss(r["losses"]) for r in group]),
             }
             for field in dict.fromkeys(k for r in group for k in r):
-                if field in IDENTITY or field in ("metric", "losses"):
+                if field in IDENTITY or field in ("metric", "losses", "skips"):  # skips: listed below the tables
                     continue
                 values = [_flatten(field, r.get(field)) for r in group]
                 for sub in dict.fromkeys(k for v in values for k in v):

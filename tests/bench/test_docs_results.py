@@ -109,5 +109,20 @@ def test_the_training_section_leads_with_a_figure_and_narrow_tables(docs_results
     skipped = "\n".join(docs_results.training_section(run))
     assert "- fp16 dynamic loss scale, 2 skipped steps in 2 runs: fc.bias (2 of 2), fc.weight (1 of 2)" in skipped
 
+    # A later command that ran the same tasks and methods again replaced the first addition's rows: the page names
+    # only the command its rows come from, and no table gains a column for the runs that recorded no skips.
+    data[2]["skips"] = data[6]["skips"] = None  # as the bench wrote before it recorded them
+    run.provenance["additions"].append(
+        {
+            **run.provenance["additions"][0],
+            "command": "python bench/compare_training.py --methods fp16-gs-paper fp16-gs --merge t.json",
+            "date": "last",
+        }
+    )
+    replaced = "\n".join(docs_results.training_section(run))
+    assert "Measured here: commit `def`, last" in replaced and "Measured here: commit `def`, later" not in replaced
+    assert "| skips |" not in replaced
+    assert run.added_methods() == {"fp16-gs-paper", "fp16-gs"}
+
     answer = "\n".join(docs_results.training_answer([run]))
     assert "| ResNet-8 | fp16 | 0.5\u00a0·\u00a00% | 0.5\u00a0·\u00a02·10⁻⁷% | 0.5\u00a0·\u00a02·10⁻⁷% |" in answer

@@ -229,6 +229,7 @@ class Run:
     lockstep: str | None = None  # the runs stepped in turn with it share this id (train_interleaved)
     # each skipped step (from 0) and the parameters whose gradients were non-finite there, by name
     skips: list[SkippedStep] | None = None
+    retried_steps: int | None = None  # GS: steps whose forward and backward ran again after an overflow
 
 
 class SkippedStep(TypedDict):
@@ -288,12 +289,26 @@ class Training:
         sample = emulation is not None and step % self.underflow_every == 0
         if emulation is not None:
             emulation.underflow = self.meter if sample else None
+        losses = []
+
+        def forward_backward() -> None:
+            with emulation if emulation is not None else nullcontext():
+                with torch.autocast("cpu", dtype=method.autocast or torch.float32, enabled=method.autocast is not None):
+                    losses.append(task.loss(self.model, images, targets))
+                self.trainer.backward(losses[-1])
+
+        def retry() -> None:  # the meter measures the step's first backward only
+            if emulation is not None:
+                emulation.underflow = None
+            forward_backward()
+
         self.optimizer.zero_grad(set_to_none=True)
-        with emulation if emulation is not None else nullcontext():
-            with torch.autocast("cpu", dtype=method.autocast or torch.float32, enabled=method.autocast is not None):
-                loss = task.loss(self.model, images, targets)
-            self.trainer.backward(loss)
-        self.trainer.step(self.optimizer)
+        forward_backward()
+        if isinstance(self.trainer, GradientScaler):
+            self.trainer.step(self.optimizer, retry=retry)
+        else:
+            self.trainer.step(self.optimizer)
+        loss = losses[-1]
         if self.on_step is not None:
             self.on_step(step, self.trainer)
         self.losses.append(loss.item())
@@ -338,6 +353,7 @@ class Training:
             getattr(trainer, "recomputed_steps", None),
             lockstep,
             self.skips,
+            getattr(trainer, "retried_steps", None),
         )
 
 
@@ -543,9 +559,10 @@ def table(runs: list[Run]) -> str:
     """The markdown table: one row per (task, method), seeds aggregated."""
     metric_of = {r.task: r.metric_name for r in runs}
     lines = [
-        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps | GS recomputed steps "
-        "| gradient underflow | per-tensor oracle | GS update iterations | s / run | s ÷ dynamic |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | gradients | method | metric (mean ± std) | final train loss | skipped steps "
+        "| GS retried steps | GS recomputed steps | gradient underflow | per-tensor oracle | GS update iterations "
+        "| s / run | s ÷ dynamic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = time_ratios(runs)
     for task in dict.fromkeys(r.task for r in runs):
@@ -556,10 +573,12 @@ def table(runs: list[Run]) -> str:
             oracle = [r.oracle_underflow for r in rs if r.oracle_underflow is not None]
             updates = [r.update_iterations for r in rs if r.update_iterations is not None]
             recomputed = [r.recomputed_steps for r in rs if r.recomputed_steps is not None]
+            retried = [r.retried_steps for r in rs if r.retried_steps is not None]
             lines.append(
                 f"| {task} | {method.grads} | {method.label} | {metric_of[task]} {_mean_std([r.metric for r in rs])} "
                 f"| {_mean_std([_final_loss(r) for r in rs])} "
                 f"| {statistics.fmean(r.skipped_steps for r in rs):.1f} "
+                f"| {f'{statistics.fmean(retried):.1f}' if retried else '—'} "
                 f"| {f'{statistics.fmean(recomputed):.1f}' if recomputed else '—'} "
                 f"| {_percent(under)} | {_percent(oracle)} "
                 f"| {f'{statistics.fmean(updates):.1f}' if updates else '—'} "
@@ -731,7 +750,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
             for run, meter in zip(lockstep, meters):
                 print(
                     f"{task.name:7s} {run.method:18s} seed {seed}: {task.metric_name} {run.metric:.4f}, "
-                    f"skipped {run.skipped_steps}, underflow {_or_nan(run.underflow):.4f}"
+                    f"skipped {run.skipped_steps}, "
+                    f"{'' if not run.retried_steps else f'retried {run.retried_steps}, '}"
+                    f"underflow {_or_nan(run.underflow):.4f}"
                     f" (oracle {_or_nan(run.oracle_underflow):.4f}), "
                     f"{'' if run.update_iterations is None else f'{run.update_iterations} update iterations, '}"
                     f"{run.seconds:.1f} s",

@@ -422,6 +422,7 @@ def _columns_named(row: dict[str, Any]) -> dict[str, str]:
         "update_iterations": "GS update iterations",
         "oracle_underflow": "oracle underflow",
         "recomputed_steps": "GS recomputed steps",
+        "retried_steps": "GS retried steps",
     }
     return {k: names.get(k, k.replace("_", " ")) for k in row}
 
@@ -436,7 +437,7 @@ SEPARATING = (
     "s / run",
     TIME_RATIO,
 )
-OUTCOME = ("gradients", "method", "final train loss", "GS update iterations", "GS recomputed steps")
+OUTCOME = ("gradients", "method", "final train loss", "GS update iterations", "GS retried steps", "GS recomputed steps")
 NOT_SHOWN = ("task", "method key", "seeds")  # the section's title, the table's order, the sentence above it
 
 

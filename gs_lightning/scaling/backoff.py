@@ -48,9 +48,9 @@ class SkipBackoff:
         caps = [c for c in (self.cap, log2_floor(recipe.max_total_scale), recipe.max_log2_total_scale) if c is not None]
         return min(caps) if caps else None
 
-    def skipped(self, ran: Sequence[GraphScales]) -> None:
-        """A step was skipped: cap the layers that overflowed in the structures whose gradients it would have used
-        (``ran``), or every scale; their next backwards decide the scales again."""
+    def skipped(self, ran: Sequence[GraphScales], retried: bool = False) -> None:
+        """A step was skipped (or is ``retried``): cap the layers that overflowed in the structures whose
+        gradients it would have used (``ran``), or every scale; their next backwards decide the scales again."""
         recipe = self.recipe
         named = False
         for scales in ran:
@@ -63,7 +63,7 @@ class SkipBackoff:
             if caps:  # the overflowing layers are known: lower those only
                 scales.layer_backoff.lower(caps, scales.schedule.backwards, recipe.min_backoff_log2)
                 named = True
-            scales.schedule.skipped()
+            scales.schedule.skipped(retried)
         if not named:
             largest = max(
                 (a for scales in ran for plan in scales.plans.values() for a in plan.alpha_out.values()), default=0

@@ -121,6 +121,8 @@ class ScaledBackwards:
         self.updates: list[UpdateRecord] = []  # this iteration's (the last one's until a backward starts another)
         self._iteration_ended = False
         self.ran: list[GraphScales] = []  # the structures whose backward ran since the last step
+        self._caps_before_retry: list[tuple[GraphScales, dict[int, tuple[int, int]]]] = []
+        self.retries_offered = False  # whether the last iteration's step could have run it again (prepare_retry)
         self.written: dict[int, torch.Tensor] = {}  # the leaves those backwards reached
         self._prepared: PreparedBackward | None = None
         self._opaque_warned: set[str] = set()
@@ -172,12 +174,38 @@ class ScaledBackwards:
         self.ran = []
         self.written.clear()
 
-    def skipped(self) -> Callable[[], str | None]:
-        """The iteration's first skipped step: cap the scales that overflowed in the structures whose gradients it would
-        have used and restore the attached models' buffers. Returns what finds the first non-finite layer among them."""
+    def _ran(self) -> list[GraphScales]:
+        """The structures whose backwards ran this iteration (the current one where none is recorded)."""
         current = self.graphs.current
-        ran = self.ran or ([current] if current is not None else [])
-        self.backoff.skipped(ran)
+        return self.ran or ([current] if current is not None else [])
+
+    def overflow_named(self) -> bool:
+        """Whether the step's read named the layers whose gradients overflowed in a structure that ran this iteration
+        (some measured gradients non-finite, not all: not a non-finite loss, which no scale can prevent)."""
+        return any(scales.drift.last.some_overflowed for scales in self._ran())
+
+    def retry(self) -> None:
+        """The iteration runs again after an overflow: its retry decides the scales under the caps a skipped step
+        would set, on the same batch; the step's read of the overflowed gradients is not kept (the retry's is)."""
+        ran = self._ran()
+        self._caps_before_retry = [(scales, dict(scales.layer_backoff.caps)) for scales in ran]
+        self.skipped(retried=True)
+        for scales in ran:
+            scales.drift.forget_step()
+
+    def retried(self) -> None:
+        """The retried step was taken: the caps its overflow set go (the retry's read holds the values that
+        overflowed, which the next updates expect)."""
+        for scales, caps in self._caps_before_retry:
+            scales.layer_backoff.caps = caps
+        self._caps_before_retry = []
+
+    def skipped(self, retried: bool = False) -> Callable[[], str | None]:
+        """The iteration's first skipped step (or its ``retried`` one): cap the scales that overflowed in the structures
+        whose gradients it would have used and restore the attached models' buffers. Returns what finds the first
+        non-finite layer among them."""
+        ran = self._ran()
+        self.backoff.skipped(ran, retried)
         non_finite = self.attached.restore_buffers()
         if non_finite:
             self.warn_once(
@@ -322,6 +350,7 @@ class ScaledBackwards:
         # nor in a format that saturates instead of overflowing.
         recipe = self.recipe
         recompute = recipe.recompute_weight_gradients and not (self.format.saturates or path or self.compiled)
+        retry = self.retries_offered and recipe.retry_overflowed_steps and not (self.format.saturates or path)
         # Expected maxima keep the batches to come from skipping; a saturating format clips a rare spike
         # instead. Keyed by the loss graph's leaves: not for a reentrant checkpoint's inner graph (path).
         expected, levels = (
@@ -346,7 +375,8 @@ class ScaledBackwards:
             node_caps=scales.layer_backoff.node_caps() if not path else {},
             expected_maxima=expected,
             recompute=recompute,
-            level_maxima=levels if recompute else {},
+            retry=retry,
+            level_maxima=levels if recompute or retry else {},
             previous_totals=_gemm_totals(scales.plans.get(path), analysis)
             if recipe.keep_scale_on_zero_gradient
             else {},

@@ -50,8 +50,10 @@ class Settings:
             batches (:meth:`GradientDrift.expect`): a weight gradient's overflow bound.
         recompute: Whether the replays can recompute weight gradients that overflow
             (:mod:`~gs_lightning.scaling.recompute`): eager replays, in a format that overflows.
+        retry: Whether an overflowed step runs again (:attr:`ScalingRecipe.retry_overflowed_steps`, where the last
+            step offered a retry): every GEMM is bounded as a recomputable one.
         level_maxima: Leaf index -> its gradient's level, without the spikes
-            (:meth:`GradientDrift.expect`): with ``recompute``, what bounds a recomputable GEMM,
+            (:meth:`GradientDrift.expect`): with ``recompute`` or ``retry``, what bounds a recomputable GEMM,
             with :attr:`ScalingRecipe.recomputed_spike_share` of the spikes.
         previous_totals: GEMM node -> the accumulated scale of the plan the update replaces, which a GEMM whose
             incoming gradient is all zeros keeps (:attr:`ScalingRecipe.keep_scale_on_zero_gradient`; empty: none).
@@ -77,6 +79,7 @@ class Settings:
     node_caps: Mapping[int, int] = field(default_factory=dict)
     expected_maxima: Mapping[int, float] = field(default_factory=dict)
     recompute: bool = False
+    retry: bool = False
     level_maxima: Mapping[int, float] = field(default_factory=dict)
     previous_totals: Mapping[int, Exponent] = field(default_factory=dict)
     measured_weight_nodes: frozenset[int] | None = None
@@ -104,6 +107,8 @@ class ScaleBounds:
     Attributes:
         expected: GEMM node -> the largest value its parameter gradients are expected to reach.
         recomputable: GEMMs whose weight gradients the replays recompute in fp32 if they overflow.
+        spike_shared: GEMMs bounded by their level and a share of their spikes: the recomputable ones, every one
+            where an overflowed step runs again.
         fed_maxima: Such a GEMM -> the expected maxima of the parameter gradients it feeds.
         kept_downstream: Node -> the highest accumulated scale any gradient it sends on is used at.
     """
@@ -111,6 +116,7 @@ class ScaleBounds:
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, leaves: LeafTargets) -> None:
         self.graph, self.analysis, self.settings, self.leaves = graph, analysis, settings, leaves
         self.recomputable: set[int] = set()
+        self.spike_shared: set[int] = set()
         self.fed_maxima: dict[int, float] = {}
         self.expected = self._expected_maxima()
         recipe = settings.recipe
@@ -133,8 +139,8 @@ class ScaleBounds:
 
     def _expected_maxima(self) -> dict[int, float]:
         """GEMM node -> the largest value its parameter gradients are expected to reach (where known);
-        where the replays can recompute them, their level and :attr:`ScalingRecipe.recomputed_spike_share` of the
-        spikes."""
+        where the replays can recompute them or the step runs again, their level and
+        :attr:`ScalingRecipe.recomputed_spike_share` of the spikes."""
         graph, analysis, maxima = self.graph, self.analysis, {}
         parameters = analysis.derive(
             "parameter leaves",
@@ -146,7 +152,8 @@ class ScaleBounds:
             level = max((self.settings.level_maxima.get(j, 0.0) for j in leaves), default=0.0)
             if self.settings.recompute and recomputable(graph, analysis, i, self.leaves.deferred):
                 self.recomputable.add(i)
-            if i in self.recomputable and expected > 0.0 and level > 0.0:
+            if (i in self.recomputable or self.settings.retry) and expected > 0.0 and level > 0.0:
+                self.spike_shared.add(i)
                 maxima[i] = level * (expected / level) ** self.settings.recipe.recomputed_spike_share
                 fed = max((self.settings.expected_maxima.get(j, 0.0) for j in self._fed_leaves(i)), default=0.0)
                 if fed > 0.0:
@@ -291,7 +298,7 @@ class ScaleBounds:
         leaves room for the scale ``alpha`` it receives): what :meth:`choose`'s overflow bounds keep below λmax."""
         expected, maxima = self.expected.get(i, 0.0), {}
         if expected > 0.0:
-            kind = Limit.RECOMPUTED_SPIKES if i in self.recomputable else Limit.EXPECTED_PARAMETER_GRADIENTS
+            kind = Limit.RECOMPUTED_SPIKES if i in self.spike_shared else Limit.EXPECTED_PARAMETER_GRADIENTS
             maxima[Bound(kind)] = expected
         if i in self.fed_maxima:
             maxima[Bound(Limit.FED_PARAMETER_GRADIENTS)] = self.fed_maxima[i]

@@ -158,6 +158,7 @@ class GradientDrift:
     last: DriftReading = field(default_factory=DriftReading)
     _pending: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = field(default_factory=list, repr=False)
     _update: bool = field(default=False, repr=False)
+    _kept_step: bool = field(default=False, repr=False)  # the last read added to recent
 
     def measure(self, alpha: Exponent, leaves: tuple[int, ...], grads: list[torch.Tensor], update: bool) -> None:
         """Queue one scale group's (already unscaled) gradients, whose largest magnitudes the step reads (an update's
@@ -235,6 +236,7 @@ class GradientDrift:
                 surprised = {j: at_least[j] for j, r in ratios.items() if r > 0.0 and math.log2(r) > ROUNDING_LOG2}
         if at_least:
             self.recent = [*self.recent, {leaf: v for leaf, v in at_least.items() if math.isfinite(v)}][-self.window :]
+        self._kept_step = bool(at_least)
         update, self._update = self._update, False
         self._pending.clear()
         measured_leaves = frozenset(j for leaves, _ in measured.values() for j in leaves)
@@ -302,6 +304,13 @@ class GradientDrift:
             self.recent[-1] = {
                 leaf: v for leaf, v in self.recent[-1].items() if leaf in leaves or leaf not in self.last.non_finite
             }
+
+    def forget_step(self) -> None:
+        """The step just read runs again (a retried step): its maxima, lower bounds where its gradients overflowed,
+        are not kept; the retry's read takes their place."""
+        if self._kept_step and self.recent:
+            self.recent.pop()
+        self._kept_step = False
 
     def recomputed(self, maxima: Mapping[int, float]) -> None:
         """The last step's overflowed gradients of ``maxima``'s leaves were recomputed: their true largest

@@ -201,6 +201,14 @@ class ScalingRecipe:
             instead of skipping the step (memory: on ResNet-18 the peak grew by 36% of what the
             forward saves for backward: ``python bench/memory.py``; the rule by ``pytest
             tests/scaling/test_recompute.py``). [``False``]
+        retry_overflowed_steps: Where a step's gradients overflowed in layers the step's read can name (not a
+            non-finite loss) and the caller gave :meth:`GradientScaler.step <gs_lightning.scaling.GradientScaler.step>`
+            a ``retry`` (the Lightning plugin gives its closure), back those layers off as a skipped step would and
+            run the iteration's forward and backward again on the same batch, an update iteration, instead of
+            skipping the step: the overflow costs one iteration more, not a batch, and nothing is kept between
+            updates for it (``recompute_weight_gradients`` keeps the forward's activations until the step). Once per
+            step: an overflow on the retry skips it. Measured by ``python bench/compare_training.py`` (its *GS
+            retried steps*) and ``pytest tests/scaling/test_retry.py``. [``False``]
         recomputed_spike_share: Where weight gradients are recomputed, their GEMM is bounded by
             their level and this share (in binades) of their spikes: what the GEMM sends on
             spikes with the same hard batches and is not recomputed, so a share, not none (0
@@ -281,7 +289,8 @@ class ScalingRecipe:
     kept_downstream_cap: bool = True
     expect_surprise_within_margin: bool = True
     spike_room_log2: float = 3.0
-    recompute_weight_gradients: bool = True
+    recompute_weight_gradients: bool = False
+    retry_overflowed_steps: bool = True
     recomputed_spike_share: float = 0.5
 
     own_input_gradient_scale: bool = False
@@ -316,6 +325,7 @@ class ScalingRecipe:
             "kept_downstream_cap",
             "expect_surprise_within_margin",
             "recompute_weight_gradients",
+            "retry_overflowed_steps",
             "own_input_gradient_scale",
         )
         for field in switches:
@@ -458,6 +468,7 @@ _PAPER_VALUES: dict[str, Any] = {
     "expect_surprise_within_margin": False,
     "spike_room_log2": 0.0,
     "recompute_weight_gradients": False,
+    "retry_overflowed_steps": False,
     "recomputed_spike_share": 1.0,
 }
 
@@ -504,9 +515,12 @@ _COUPLINGS: tuple[tuple[str, tuple[str, ...], Callable[[ScalingRecipe], bool], s
     ),
     (
         "recomputed_spike_share",
-        ("recompute_weight_gradients", "expected_maxima_margin_log2"),
-        lambda r: r.recompute_weight_gradients and r.expected_maxima_margin_log2 is not None,
-        "where weight gradients are recomputed, under expected maxima (the spikes it shares are theirs)",
+        ("recompute_weight_gradients", "retry_overflowed_steps", "expected_maxima_margin_log2"),
+        lambda r: (
+            (r.recompute_weight_gradients or r.retry_overflowed_steps) and r.expected_maxima_margin_log2 is not None
+        ),
+        "where weight gradients are recomputed or overflowed steps retried, under expected maxima (the spikes it "
+        "shares are theirs)",
     ),
 )
 

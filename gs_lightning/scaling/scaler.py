@@ -38,7 +38,7 @@ How it runs, in brief:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -57,8 +57,8 @@ from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.schedule import UpdateRecord
-from gs_lightning.scaling.step_read import StepRead
-from gs_lightning.scaling.steps import FoundInf, OptimizerSteps
+from gs_lightning.scaling.step_read import StepRead, every_rank
+from gs_lightning.scaling.steps import FoundInf, OptimizerSteps, Stage
 from gs_lightning.scaling.weak import weakly
 
 Outputs = Any  # a tensor, or lists and tuples of them, nested as GradScaler.scale takes them
@@ -106,6 +106,7 @@ class GradientScaler:
         **recipe_fields: Any,
     ) -> None:
         self._steps = OptimizerSteps(max_consecutive_skips)
+        self._retried_steps, self._retrying, self._retry_offered = 0, False, False
         self.recipe = resolve_recipe(recipe, **recipe_fields)
         self.format = float_format(dtype)
         self.enabled = enabled
@@ -164,6 +165,12 @@ class GradientScaler:
         """Steps taken although a weight gradient overflowed: it was recomputed in fp32
         (:mod:`~gs_lightning.scaling.recompute`)."""
         return self._read.recomputed_steps
+
+    @property
+    def retried_steps(self) -> int:
+        """Steps whose forward and backward ran again after an overflow, instead of being skipped
+        (:meth:`prepare_retry`)."""
+        return self._retried_steps
 
     @property
     def update_iterations(self) -> int:
@@ -286,8 +293,50 @@ class GradientScaler:
         if self.enabled:
             self._steps.unscale(optimizer, partial(self._non_finite, optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
+    def prepare_retry(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the caller should run this iteration's forward and backward again before stepping ``optimizer``;
+        where it should, the scaler is ready for that run (``ScalingRecipe.retry_overflowed_steps``).
+
+        It should where ``optimizer``'s gradients (as :meth:`unscale_` checks them, checked now if it was not
+        called) overflowed in layers the read names (not a non-finite loss, which no scale prevents), no other
+        optimizer was checked or stepped this iteration, and this iteration is not itself a retry. Then, as a
+        skipped step would, the layers that overflowed are backed off and the attached models' buffers restored;
+        the iteration ends, and ``optimizer``'s gradients are set to ``None``. The caller's next backward is an
+        update iteration that decides the scales on the same batch, and :meth:`step` goes by its gradients.
+        Otherwise nothing changes, and :meth:`step` goes by the same check. Counted in :attr:`retried_steps`.
+
+        Synchronises once where :meth:`unscale_` has not read the gradients; in a process group, the ranks agree
+        in one reduction more where a gradient overflowed.
+        """
+        if not (self.enabled and self.recipe.retry_overflowed_steps):
+            return False
+        self._retry_offered = True
+        if self._retrying:
+            return False
+        if self._steps.stage(optimizer) is Stage.READY:
+            self.unscale_(optimizer)
+        if not self._steps.retryable(optimizer):
+            return False
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not every_rank(self._backwards.overflow_named(), grads[0].device):
+            return False
+        self._backwards.retry()
+        self.update()
+        optimizer.zero_grad(set_to_none=True)
+        self._retrying = self._retry_offered = True
+        self._retried_steps += 1
+        return True
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, *args: Any, retry: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> bool:
         """``optimizer.step()`` unless one of its gradients is non-finite; returns whether it stepped.
+
+        ``retry``: runs the iteration's forward and backward again, through this scaler (``optimizer.step``'s
+        closure without the ``zero_grad``: the scaler sets the gradients to ``None`` first). Where the gradients
+        overflowed in layers the scaler can name, it backs those off and calls ``retry`` once (:meth:`prepare_retry`)
+        instead of skipping the step; the step then goes by the retry's gradients. Give it only where the gradients
+        come from this iteration alone (not a gradient-accumulation loop's earlier micro-batches).
 
         As ``GradScaler``, each optimizer is judged by the gradients it is about to use (as they
         were at :meth:`unscale_`, if that was called): every ``.grad`` it holds is read (each one's
@@ -307,12 +356,16 @@ class GradientScaler:
         if not self.enabled:
             optimizer.step(*args, **kwargs)
             return True
+        if retry is not None and self.prepare_retry(optimizer):
+            retry()
         if self._steps.overflowed(optimizer, partial(self._non_finite, optimizer)):
             # the iteration's first: cap what overflowed, restore the buffers, stop a diverged run
             if self._steps.skip():
                 self._steps.check_diverged(self._backwards.skipped())
             return False
         optimizer.step(*args, **kwargs)
+        if self._retrying:
+            self._backwards.retried()
         if self._steps.stepped():
             self._attached.save_buffers()
         return True
@@ -338,6 +391,9 @@ class GradientScaler:
             )
         self._steps.end_iteration()
         self._backwards.end_iteration()
+        # the next updates bound the GEMMs as recoverable where this iteration's step could run it again
+        self._backwards.retries_offered, self._retry_offered = self._retry_offered, False
+        self._retrying = False
 
     def scales(self) -> dict[str, float]:
         """{layer name: local scale β last chosen}, for every decision point."""
@@ -387,6 +443,7 @@ class GradientScaler:
             "iteration": backwards.iteration,
             **self._steps.state_dict(),
             "recomputed_steps": self._read.recomputed_steps,
+            "retried_steps": self._retried_steps,
             "update_iterations": backwards.update_iterations,
             "backoff": self._backoff.cap,
             "graphs": backwards.graphs.state_dict(),
@@ -413,6 +470,7 @@ class GradientScaler:
         )
         self._steps.load_state_dict(state)
         self._read.recomputed_steps = int(state.get("recomputed_steps", 0))
+        self._retried_steps = int(state.get("retried_steps", 0))
         self._backoff.cap = state["backoff"]
         backwards.graphs.load_state_dict(
             state["graphs"] if "graphs" in state else one_graph_state(state), backwards.new_drift

@@ -24,6 +24,7 @@ class UpdateReason(Enum):
     FIRST = "first backward of its graph structure"
     INTERVAL = "update_interval backwards since the last update"
     SKIPPED_STEP = "a skipped step: its gradients were non-finite"
+    RETRIED_STEP = "a retried step: its gradients overflowed, and its forward and backward ran again"
     DRIFT = "the gradients shrank below the last update's by drift_tolerance_log2"
     ZERO_GRADIENT = "a gradient turned all zeros, or one all zeros at the last update did not stay so"
     NON_FINITE_GRADIENT = "a gradient was non-finite between updates"
@@ -96,10 +97,11 @@ class UpdateSchedule:
         """The next backward updates, for ``reasons``."""
         self.pending.update(reasons)
 
-    def skipped(self) -> None:
-        """A step the structure's gradients took part in was skipped: the next backward updates under the back-off."""
+    def skipped(self, retried: bool = False) -> None:
+        """A step the structure's gradients took part in was skipped (or is ``retried``): the next backward updates
+        under the back-off."""
         self.last_skip = self.backwards
-        self.ask(UpdateReason.SKIPPED_STEP)
+        self.ask(UpdateReason.RETRIED_STEP if retried else UpdateReason.SKIPPED_STEP)
 
     def updated(self, iteration: int, reasons: frozenset[UpdateReason]) -> UpdateRecord:
         """The update that ``reasons`` asked for ran as backward ``iteration`` (the structure's :attr:`backwards`-th):

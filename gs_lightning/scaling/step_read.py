@@ -243,8 +243,18 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` is set on any rank (sharded gradients: each rank checked its own shard)."""
+    return _reduced(flag, device, "MAX")
+
+
+def every_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on every rank (one reduction where a process group is initialised; every rank calls
+    it)."""
+    return _reduced(flag, device, "MIN")
+
+
+def _reduced(flag: bool, device: torch.device, op: str) -> bool:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
     reduced = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(reduced, op=getattr(torch.distributed.ReduceOp, op))
     return bool(reduced.item())

@@ -115,6 +115,12 @@ class OptimizerSteps:
         self._stage[id(optimizer)] = Stage.STEPPED
         return any(bool(flag) for flag in found_inf)
 
+    def retryable(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s check (``unscale_``) found a non-finite gradient, and no other optimizer was
+        checked or stepped this iteration: the iteration may run again before its step."""
+        found_inf = self._found_inf.get(id(optimizer), ())
+        return set(self._stage) == {id(optimizer)} and any(bool(flag) for flag in found_inf)
+
     def skip(self) -> bool:
         """Count a skipped step; whether it is the iteration's first (several optimizers skip as one)."""
         if self._skipped_this_iteration:

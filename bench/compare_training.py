@@ -9,8 +9,9 @@ Methods, in three settings:
 * fp16 gradients: fp32 (reference), bf16 (real CPU kernels), fp16 without scaling, fixed loss
   scale 128 and 4096, dynamic loss scale (``torch.amp.GradScaler``), GS, GS with the paper's
   Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper), on request GS's variants
-  (:data:`GS_VARIANTS`: following the gradients between updates, without the fp32 recompute, with GEMMs sending
-  their input gradients at scales of their own);
+  (:data:`GS_VARIANTS`: following the gradients between updates, recomputing overflowed weight gradients in fp32
+  instead of retrying the step, skipping overflowed steps as a loop without a retry does, with GEMMs sending their
+  input gradients at scales of their own); GS's steps are given a retry (``GradientScaler.step(retry=...)``);
 * fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
   GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
   dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor
@@ -70,14 +71,17 @@ E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
 PAPER_LABEL = "GS, paper's Algorithm 1"
 # GS with ScalingRecipe.follow_gradients: the step raises the scales as the gradients' level falls (issue 51)
 FOLLOW_LABEL = "GS, following the gradients"
-# GS with recompute_weight_gradients=False: what keeping the operands for the fp32 recompute buys (issue 51)
-NO_RECOMPUTE_LABEL = "GS, no fp32 recompute"
+# GS recomputing overflowed weight gradients in fp32 from operands kept until the step, not retrying (issue 51)
+RECOMPUTE_LABEL = "GS, fp32 recompute"
+# GS with retry_overflowed_steps=False: what a loop that gives step() no retry gets (issue 51)
+NO_RETRY_LABEL = "GS, no retry"
 # GS with ScalingRecipe.own_input_gradient_scale: what a GEMM sends on at a scale of its own (issue 51)
 OWN_INPUT_SCALE_LABEL = "GS, own input-gradient scales"
 # GS with recipe fields changed, run in fp16 and e5m2 on request: (key suffix, label, fields)
 GS_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("follow", FOLLOW_LABEL, {"follow_gradients": True}),
-    ("no-recompute", NO_RECOMPUTE_LABEL, {"recompute_weight_gradients": False}),
+    ("recompute", RECOMPUTE_LABEL, {"recompute_weight_gradients": True, "retry_overflowed_steps": False}),
+    ("no-retry", NO_RETRY_LABEL, {"retry_overflowed_steps": False}),
     ("own-input-scale", OWN_INPUT_SCALE_LABEL, {"own_input_gradient_scale": True}),
 )
 _FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}

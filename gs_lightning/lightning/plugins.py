@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from gs_lightning.fabric.methods import Scaler, plugin_classes
+from gs_lightning.scaling import GradientScaler
 from gs_lightning.fabric.plugins import fp32_sharding_policy, refuse_unsupported_parallelism
 from gs_lightning.lightning.packages import LIGHTNING_MODULES, PACKAGES, package_of
 from gs_lightning.lightning.schedulers import SkipAwareScheduler
@@ -134,7 +135,14 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Run the closure, unscale, call ``on_before_optimizer_step`` and clip, then step unless non-finite."""
+        """Run the closure, unscale, call ``on_before_optimizer_step`` and clip, then step unless non-finite.
+
+        With gradient scaling, where the gradients overflowed in layers the scaler names, the closure runs once more
+        on the same batch under the back-off instead of the step being skipped
+        (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.retry_overflowed_steps`): in automatic optimization
+        without gradient accumulation, where the closure is the whole iteration (``training_step``, its logging
+        included, runs twice on that batch).
+        """
         if isinstance(optimizer, LBFGS):
             raise package_of(model).MisconfigurationException(
                 f"{type(self).__name__} and the LBFGS optimizer are not compatible."
@@ -144,6 +152,10 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
         ran_backward = closure_result is not None or not model.automatic_optimization
         if ran_backward:
             self.scaler.unscale_(optimizer)
+            if _closure_is_the_iteration(model) and isinstance(self.scaler, GradientScaler):
+                if self.scaler.prepare_retry(optimizer):
+                    closure_result = closure()
+                    self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
         if ran_backward:
             self.scaler.step(optimizer, **kwargs)
@@ -158,6 +170,13 @@ class FP16MixedPrecision(*(package.Precision for package in PACKAGES)):  # type:
         """Restore the scaler's state and settings (GS: its recipe, as ``GradScaler`` restores its own), warning
         once where they differ from the constructor's; the Trainer calls this after connecting the plugin."""
         self.scaler.load_state_dict(state_dict)
+
+
+def _closure_is_the_iteration(model: Any) -> bool:
+    """Whether the optimizer's closure runs the whole iteration: automatic optimization (Lightning's closure runs
+    ``training_step`` and the backward, and zeroes the gradients first) without accumulation over micro-batches."""
+    trainer = getattr(model, "_trainer", None)
+    return bool(model.automatic_optimization) and trainer is not None and trainer.accumulate_grad_batches == 1
 
 
 class FSDPMixedPrecision(FP16MixedPrecision, *_FSDP_PRECISIONS):  # type: ignore[misc]

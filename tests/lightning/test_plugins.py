@@ -452,3 +452,39 @@ def test_plugins_emulate_fp16_on_a_cpu_by_default(name: str, lightning_package: 
     trainer(lightning_package, validating, max_steps=1).validate(classifier(lightning_package), loader())
     assert plugin.emulate is True and validating.emulate is True
     assert type(plugin)(device="cuda").emulate is False and type(plugin)(device="cpu").emulate is True
+
+
+class SpikingClassifier(Classifier):
+    """At global step 2 two input channels hold 60000, channels the first layer's weights ignore (zeros, and the
+    learning rate is 0), and the loss is 8 times larger: its weight gradient overflows fp16 at the scale the last
+    update chose (2^3), while the loss and every other gradient stay finite. Counts ``training_step`` per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[int, int] = {}
+        with torch.no_grad():
+            self.net[0].weight[:, :2] = 0.0
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.calls[self.global_step] = self.calls.get(self.global_step, 0) + 1
+        spike = self.global_step == 2
+        if spike:
+            x = x.clone()
+            x[:, :2] = 6e4  # finite in fp16
+        return F.cross_entropy(self.net(x), y) * (8.0 if spike else 1.0)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_overflowed_step_runs_its_closure_again(accumulate: int, lightning_package: str) -> None:
+    """The plugin runs the closure once more where the scaler names the layers that overflowed, and the step is taken;
+    not where the closure is one micro-batch of several (its step is skipped)."""
+    torch.manual_seed(0)
+    model, plugin = on_package(SpikingClassifier, lightning_package)(), GradientScalingPlugin()
+    trainer(lightning_package, plugin, max_steps=4, accumulate_grad_batches=accumulate).fit(model, loader())
+    retried = accumulate == 1
+    assert model.calls[2] == (2 if retried else accumulate)
+    assert (plugin.scaler.retried_steps, plugin.scaler.skipped_steps) == ((1, 0) if retried else (0, 1))

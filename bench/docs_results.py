@@ -702,14 +702,14 @@ def memory_section(run: Recorded) -> list[str]:
     lines = [f"## {run.provenance['title']}", "", *run.provenance_lines(), *settings_line(data["settings"])]
     lines += markdown_table(data["rows"])
     rows = {row["method"]: row for row in data["rows"]}
-    kept, not_kept = rows.get("GS between updates"), rows.get("GS between updates, no fp32 recompute")
+    kept, not_kept = rows.get("GS between updates, fp32 recompute"), rows.get("GS between updates")
     if kept and not_kept:
         held = kept["held after backward MiB"] - not_kept["held after backward MiB"]
         lines += [
             f"Kept until the step for the fp32 recompute of overflowed weight gradients: {held:.1f} MiB, "
             f"{held / kept['after forward MiB']:.0%} of what the forward left allocated; "
-            f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it, "
-            f"{not_kept['peak / plain']:.2f}× without.",
+            f"the iteration's peak {kept['peak / plain']:.2f}× a plain backward's with it "
+            f"(`recompute_weight_gradients=True`), {not_kept['peak / plain']:.2f}× without (the default).",
             "",
         ]
     return lines
@@ -853,12 +853,17 @@ PAGES = (
             "and store what they dequantize in fp16). *bf16 + e5m2 ∇Y* / *bf16 + e4m3fn ∇Y*: the fp8 hardware "
             "path, as Transformer Engine and torchao train, bf16 between GEMMs and the gradient entering each "
             "backward GEMM cast to fp8 from its bf16 value.",
-            "Methods: *GS* is this package's `GradientScaler` with its default recipe; *GS, paper's Algorithm 1* "
+            "Methods: *GS* is this package's `GradientScaler` with its default recipe, each step given a retry "
+            "(`scaler.step(optimizer, retry=...)`, as the Lightning plugin gives its closure); *GS, paper's "
+            "Algorithm 1* "
             'the same with `recipe="paper"` (`ScalingRecipe.paper()`: Algorithm 1 as published, none of the '
             "rules beyond the paper), so the two rows show what those rules buy and cost. *GS, following the "
             "gradients*: `follow_gradients=True` (opt-in: the step raises a layer's scale as its weight gradients "
-            "fall, instead of an update). *GS, no fp32 recompute*: `recompute_weight_gradients=False`, which keeps "
-            "nothing between updates: beside *GS*, what keeping the operands buys (its memory: [Memory](memory.md)). "
+            "fall, instead of an update). *GS, fp32 recompute*: `recompute_weight_gradients=True, "
+            "retry_overflowed_steps=False`, which recovers an overflowed weight gradient from operands kept until "
+            "the step instead of running the step again (its memory: [Memory](memory.md)). *GS, no retry*: "
+            "`retry_overflowed_steps=False`, what a loop that gives the step no retry gets (Fabric, Accelerate, "
+            "the Hugging Face Trainer): an overflowed step is skipped. "
             "*GS, own input-gradient scales*: `own_input_gradient_scale=True` (opt-in: a GEMM whose weight gradients "
             "hold its scale down sends its input gradient at the scale that gradient needs, bounded by the largest "
             "it sent in recent replays).",
@@ -867,18 +872,18 @@ PAGES = (
             "averaged over tensors and steps. *Oracle underflow*: the same for the best power-of-two scale of each "
             "tensor, chosen with hindsight and without overflow (what no power-of-two scale per tensor can beat; "
             "current scaling's scales are not powers of two, MX's are per block of 32).",
-            "*GS update iterations*: backwards that decided the scales (the others replayed them). *GS recomputed "
-            "steps*: steps taken after an overflowed weight gradient was recomputed in fp32 from the operands the "
-            "replay kept (what that memory buys: [Memory](memory.md)); without it they would have been skipped.",
+            "*GS update iterations*: backwards that decided the scales (the others replayed them). *GS retried "
+            "steps*: steps whose forward and backward ran again on the same batch after an overflow, instead of "
+            "being skipped. *GS recomputed steps*: steps taken after an overflowed weight gradient was recomputed "
+            "in fp32 from the operands the replay kept (what that memory buys: [Memory](memory.md)).",
             "Times are wall clock on the machine named, which may have been shared, less the underflow "
             "measurement's own work (the benchmark's, the same for every emulated method; rows recorded before "
             "2026-12-07 13:40 UTC include it, which brought every ratio closer to 1). Under the emulation every "
             "operator of the model passes through a Python dispatch mode (each costs a few times what it costs "
-            "without the mode); GS's update statistics are fp32 and run outside it. Between updates GS keeps each "
-            "GEMM's operands and incoming gradient until the step (to recompute a weight gradient that overflows); "
-            "with glibc's malloc the memory the backward allocates meanwhile is fresh and page-faults, where a "
-            "GPU's caching allocator would reuse its blocks: on these small tasks that too counts against GS's "
-            "seconds.",
+            "without the mode); GS's update statistics are fp32 and run outside it. With the fp32 recompute GS keeps "
+            "each GEMM's operands and incoming gradient until the step; with glibc's malloc the memory the backward "
+            "allocates meanwhile is fresh and page-faults, where a GPU's caching allocator would reuse its blocks: "
+            "on these small tasks that too counts against those rows' seconds.",
             "Generated datasets and short runs from scratch: metrics close to each other are noise; skipped steps "
             "and underflow are what these runs measure.",
         ),
@@ -901,10 +906,10 @@ PAGES = (
         "`bench/memory.py` runs one iteration per method from `zero_grad(set_to_none=True)`, the same model and "
         "batch for each, and takes the memory allocated above the iteration's start: after the forward, at the "
         "peak of the backward and the step's finiteness check, and still held after the backward (until the "
-        "step). Between updates GS keeps each GEMM's saved operand and incoming gradient until the step, to "
-        "recompute in fp32 a weight gradient that overflowed instead of skipping the step "
-        "(`recompute_weight_gradients`, on by default; see [How it works](../how-it-works.md)); "
-        "`recompute_weight_gradients=False` keeps nothing.",
+        "step). By default GS keeps nothing between updates (an overflowed step runs again instead: "
+        "`retry_overflowed_steps`); with `recompute_weight_gradients=True` it keeps each GEMM's saved operand and "
+        "incoming gradient until the step, to recompute in fp32 a weight gradient that overflowed (see "
+        "[How it works](../how-it-works.md)).",
     ),
     Page(
         "update-cost.md",

@@ -6,12 +6,12 @@ warm-up iterations of its own), and the bytes allocated above the iteration's st
 * after the forward: the activations the backward will use (the same for every method);
 * peak: the most allocated at once during the backward and the step's finiteness check;
 * held after the backward: what stays allocated until the step. ``.grad`` for every method and, between
-  GS updates, each GEMM's saved operand and incoming gradient, which the replay keeps so that a weight
-  gradient that overflows can be recomputed in fp32 at the step
-  (``recompute_weight_gradients``, on by default): the forward's activations then outlive the backward.
+  GS updates with ``recompute_weight_gradients=True`` (off by default), each GEMM's saved operand and incoming
+  gradient, which the replay keeps so that a weight gradient that overflows can be recomputed in fp32 at the step:
+  the forward's activations then outlive the backward.
 
 Methods, as in ``bench/overhead.py``: a plain backward, ``torch.amp.GradScaler``, a GS update iteration,
-GS between updates, and GS between updates with ``recompute_weight_gradients=False``.
+GS between updates, and GS between updates with ``recompute_weight_gradients=True``.
 
 On a CPU there are no allocator statistics: the bytes in use come from glibc's ``mallinfo2`` (Linux,
 glibc 2.33 or newer): mmap'ed blocks, and the main arena's in-use bytes, where the thread that runs the
@@ -212,8 +212,8 @@ def main() -> None:
         ),
         "GS update iteration": (gradient_scaling(update_interval=1), False),
         "GS between updates": (gradient_scaling(update_interval=10**9), True),
-        "GS between updates, no fp32 recompute": (
-            gradient_scaling(update_interval=10**9, recompute_weight_gradients=False),
+        "GS between updates, fp32 recompute": (
+            gradient_scaling(update_interval=10**9, recompute_weight_gradients=True),
             True,
         ),
     }

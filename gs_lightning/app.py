@@ -329,7 +329,7 @@ def summary(trainer: L.Trainer, metrics: dict[str, float], cfg: DictConfig | Non
         lines += [
             "",
             f"Per-layer gradient scales (last update; {scaler.skipped_steps} skipped steps, "
-            f"{scaler.recomputed_steps} with weight gradients recomputed, "
+            f"{scaler.retried_steps} retried, {scaler.recomputed_steps} with weight gradients recomputed, "
             f"{scaler.update_iterations} of {scaler.iteration} backwards decided the scales):",
             f"  {'layer':<32} {'log2 scale':>10} {'log2 total':>10} {'est. underflow':>15}",
         ]

@@ -48,7 +48,8 @@ class GradientScalingCallback(Callback):
       ``gs/underflow/<layer>/measured`` the rate measured on the update's exact fp32 probes,
     * ``gs/drift``: by how many binades the gradients shrank below the last update (measured at
       every step; from 1 on, the next backward updates the scales),
-    * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients, and
+    * ``gs/skipped_steps``: optimizer steps skipped so far for non-finite gradients,
+      ``gs/retried_steps`` those whose forward and backward ran again after an overflow instead, and
       ``gs/recomputed_steps`` those taken although a weight gradient overflowed (recomputed in fp32),
     * ``gs/update_iterations``: backward passes so far that decided the scales (the others replayed
       them, at a fraction of the cost),
@@ -302,6 +303,7 @@ class GradientScalingCallback(Callback):
         if math.isfinite(scaler.drift.surprise_log2):
             metrics["gs/surprise"] = scaler.drift.surprise_log2
         metrics["gs/skipped_steps"] = float(scaler.skipped_steps)
+        metrics["gs/retried_steps"] = float(scaler.retried_steps)
         metrics["gs/recomputed_steps"] = float(scaler.recomputed_steps)
         metrics["gs/update_iterations"] = float(scaler.update_iterations)
         for logger in trainer.loggers:

@@ -196,30 +196,34 @@ class ScalingRecipe:
             not values, is what that costs; ResNet-8 seed 0 skipped step 72 without it). Measured by
             ``pytest tests/scaling/test_drift.py -k spike_room``. No effect without
             ``expected_maxima_margin_log2``, nor with ``lambda_min="subnormal"``. [0]
-        recompute_weight_gradients: Between updates, keep each GEMM's incoming gradient and saved
-            operand until the step, and recompute a weight gradient that overflowed in fp32
-            instead of skipping the step (memory: on ResNet-18 the peak grew by 36% of what the
-            forward saves for backward: ``python bench/memory.py``; the rule by ``pytest
-            tests/scaling/test_recompute.py``). [``False``]
         retry_overflowed_steps: Where a step's gradients overflowed in layers the step's read can name (not a
             non-finite loss) and the caller gave :meth:`GradientScaler.step <gs_lightning.scaling.GradientScaler.step>`
             a ``retry`` (the Lightning plugin gives its closure), back those layers off as a skipped step would and
             run the iteration's forward and backward again on the same batch, an update iteration, instead of
-            skipping the step: the overflow costs one iteration more, not a batch, and nothing is kept between
-            updates for it (``recompute_weight_gradients`` keeps the forward's activations until the step). Once per
-            step: an overflow on the retry skips it. Measured by ``python bench/compare_training.py`` (its *GS
-            retried steps*) and ``pytest tests/scaling/test_retry.py``. [``False``]
-        recomputed_spike_share: Where weight gradients are recomputed, their GEMM is bounded by
-            their level and this share (in binades) of their spikes: what the GEMM sends on
-            spikes with the same hard batches and is not recomputed, so a share, not none (0
-            skipped steps at 0.5 where 0 skipped once on 2 of 3 seeds of ResNet-8 e5m2; ``python
-            bench/compare_training.py``, commit edf8514); 1: the whole spikes, as without
-            recomputation. No effect without ``recompute_weight_gradients`` and
+            skipping the step; the caps go with the retried step, whose read holds the values that overflowed. The
+            overflow costs one iteration more, not a batch, and nothing is kept between updates for it (the fp32
+            recompute, ``recompute_weight_gradients``, keeps the forward's activations until the step: 1.19× a
+            plain backward's peak on ResNet-50, 1.36× on ViT-B/16). Once per step: an overflow on the retry skips
+            it. Measured by ``python bench/compare_training.py`` (its *GS retried steps*, and the *GS, no retry*
+            rows) and ``pytest tests/scaling/test_retry.py``. [``False``]
+        recomputed_spike_share: Where an overflowed weight gradient is recomputed, or its step retried (after a step
+            that offered a retry), each GEMM is bounded by the level of its parameter gradients and this share (in
+            binades) of their spikes: a spike above it costs a recompute or a retry, not a skipped step (0 skipped
+            steps at 0.5 where 0 skipped once on 2 of 3 seeds of ResNet-8 e5m2; ``python
+            bench/compare_training.py``, commit edf8514); 1: the whole spikes, as where an overflow skips the
+            step. No effect without ``recompute_weight_gradients`` or ``retry_overflowed_steps``, and
             ``expected_maxima_margin_log2``. [1]
 
     Opt-in rules (off in both presets):
 
     Attributes:
+        recompute_weight_gradients: Between updates, keep each GEMM's incoming gradient and saved
+            operand until the step, and recompute a weight gradient that overflowed in fp32
+            instead of skipping the step: for loops that give :meth:`GradientScaler.step
+            <gs_lightning.scaling.GradientScaler.step>` no retry (the Fabric plugin, Accelerate, the Hugging Face
+            Trainer), at the price of memory (the peak between updates 1.19× a plain backward's on ResNet-50 at
+            batch 16, 128², 1.36× on ViT-B/16: ``python bench/memory.py``; the rule by ``pytest
+            tests/scaling/test_recompute.py``). Off in both presets: memory as a plain backward's by default.
         own_input_gradient_scale: Give what a GEMM sends on (its input gradient, ∇X) a scale of its own, up to the
             one γ' asks of it, where the node's scale is held lower by its weight and bias gradients (their overflow
             bounds, expected maxima and spike room): the saved weight the node computes ∇X from is multiplied by that
@@ -289,10 +293,10 @@ class ScalingRecipe:
     kept_downstream_cap: bool = True
     expect_surprise_within_margin: bool = True
     spike_room_log2: float = 3.0
-    recompute_weight_gradients: bool = False
     retry_overflowed_steps: bool = True
     recomputed_spike_share: float = 0.5
 
+    recompute_weight_gradients: bool = False
     own_input_gradient_scale: bool = False
     follow_gradients: bool = False
 
@@ -467,7 +471,6 @@ _PAPER_VALUES: dict[str, Any] = {
     "kept_downstream_cap": False,
     "expect_surprise_within_margin": False,
     "spike_room_log2": 0.0,
-    "recompute_weight_gradients": False,
     "retry_overflowed_steps": False,
     "recomputed_spike_share": 1.0,
 }

@@ -173,10 +173,10 @@ BEYOND_PAPER = {
     "kept_downstream_cap",
     "expect_surprise_within_margin",
     "spike_room_log2",
-    "recompute_weight_gradients",
+    "retry_overflowed_steps",
     "recomputed_spike_share",
 }
-OPT_IN = {"own_input_gradient_scale", "follow_gradients"}  # off in both presets
+OPT_IN = {"recompute_weight_gradients", "own_input_gradient_scale", "follow_gradients"}  # off in both presets
 
 
 def test_the_paper_preset_differs_from_the_default_in_exactly_the_rules_beyond_the_paper() -> None:
@@ -215,11 +215,11 @@ def test_a_field_without_effect_is_named_with_the_field_that_turns_it_off() -> N
         "spike_room_log2",
         "recomputed_spike_share",
     }
-    inert = ScalingRecipe(recompute_weight_gradients=False).inert_fields()
+    inert = ScalingRecipe(retry_overflowed_steps=False).inert_fields()
     assert (
-        list(inert) == ["recomputed_spike_share"]
-        and "recompute_weight_gradients=False" in inert["recomputed_spike_share"]
+        list(inert) == ["recomputed_spike_share"] and "retry_overflowed_steps=False" in inert["recomputed_spike_share"]
     )
+    assert ScalingRecipe(retry_overflowed_steps=False, recompute_weight_gradients=True).inert_fields() == {}
     refused = [
         (
             {"expected_maxima_margin_log2": None, "spike_room_log2": 2.0},
@@ -228,9 +228,9 @@ def test_a_field_without_effect_is_named_with_the_field_that_turns_it_off() -> N
         ),
         ({"lambda_min": "subnormal", "spike_room_log2": 1.0}, "spike_room_log2", "lambda_min"),
         (
-            {"recompute_weight_gradients": False, "recomputed_spike_share": 0.25},
+            {"retry_overflowed_steps": False, "recomputed_spike_share": 0.25},
             "recomputed_spike_share",
-            "recompute_weight_gradients",
+            "retry_overflowed_steps",
         ),
         ({"exact_probes": False, "weight_grad_margin_log2": 1.0}, "weight_grad_margin_log2", "exact_probes"),
         (

@@ -23,9 +23,12 @@ How it runs, in brief:
   numpy, a kernel: writes that no version counter sees): one pass that takes each one's largest
   magnitude (non-finite exactly where the gradient is), the weight gradients the drift statistic
   wants among them, and one synchronisation.
-* A weight gradient that overflows between updates, computed from a finite incoming gradient, is
-  recomputed in fp32 from operands the replay kept, and the step goes on
-  (:mod:`~gs_lightning.scaling.recompute`); any other non-finite gradient skips the step.
+* A step whose gradients overflowed in layers the read names runs its forward and backward again on the same
+  batch, those layers backed off, where the caller gives ``step()`` a retry (the Lightning plugin gives its
+  closure; :meth:`GradientScaler.prepare_retry`); otherwise, or where the retry overflows too, or the loss itself
+  is non-finite, the step is skipped. With ``recompute_weight_gradients=True`` (opt-in: it keeps the forward's
+  activations until the step) a weight gradient that overflows between updates, computed from a finite incoming
+  gradient, is recomputed in fp32 from operands the replay kept instead (:mod:`~gs_lightning.scaling.recompute`).
 * Gradients reaching a parameter are divided by the scale they carry in the parameter's own
   precision (fp32 master weights): after the backward, in one fused kernel per device and dtype,
   where nothing can observe ``.grad`` in between (a parameter used several times too, between updates:
@@ -75,6 +78,16 @@ class GradientScaler:
             loss = criterion(model(x), y)
         scaler.backward(loss)     # afterwards every .grad is the true gradient
         scaler.step(optimizer)    # skipped if a gradient was non-finite
+
+    Where the loop can run an iteration again, give the step a retry: a step whose gradients overflowed then
+    runs again on the same batch, the layers that overflowed backed off, instead of being skipped::
+
+        def forward_backward():
+            with torch.autocast("cuda", dtype=torch.float16):
+                scaler.backward(criterion(model(x), y))
+
+        forward_backward()
+        scaler.step(optimizer, retry=forward_backward)
 
     It is also a drop-in for ``torch.amp.GradScaler`` in an existing AMP loop
     (``scaler.scale(loss).backward()``, ``unscale_``, ``step``, ``update``).
@@ -342,7 +355,8 @@ class GradientScaler:
         were at :meth:`unscale_`, if that was called): every ``.grad`` it holds is read (each one's
         largest magnitude, one fused kernel per device on a GPU), whoever wrote it and however
         (through ``.data`` or numpy too). Synchronises once, reading those with the drift statistic
-        of the iteration's backwards (twice where an overflowed weight gradient was recomputed). A
+        of the iteration's backwards (twice where an overflowed weight gradient was recomputed, or where the step
+        was retried: once more after the retry, and a reduction across ranks in a process group). A
         skipped step leaves the weights untouched, restores the attached models' buffers to their
         values before the iteration, and makes the next backward
         recompute the scales, with the accumulated scale capped below the one that overflowed.

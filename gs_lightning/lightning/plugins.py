@@ -32,10 +32,10 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from gs_lightning.fabric.methods import Scaler, plugin_classes
-from gs_lightning.scaling import GradientScaler
 from gs_lightning.fabric.plugins import fp32_sharding_policy, refuse_unsupported_parallelism
 from gs_lightning.lightning.packages import LIGHTNING_MODULES, PACKAGES, package_of
 from gs_lightning.lightning.schedulers import SkipAwareScheduler
+from gs_lightning.scaling import GradientScaler
 
 # Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
 _FSDP_PRECISIONS: tuple[type, ...] = tuple(

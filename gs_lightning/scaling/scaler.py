@@ -60,7 +60,7 @@ from gs_lightning.scaling.join import join_outputs
 from gs_lightning.scaling.recipe import ScalingRecipe, resolve_recipe
 from gs_lightning.scaling.recompute import WeightGradRecompute
 from gs_lightning.scaling.schedule import UpdateRecord
-from gs_lightning.scaling.step_read import StepRead, every_rank
+from gs_lightning.scaling.step_read import StepRead, any_rank
 from gs_lightning.scaling.steps import FoundInf, OptimizerSteps, Stage
 from gs_lightning.scaling.weak import weakly
 
@@ -319,7 +319,8 @@ class GradientScaler:
         Otherwise nothing changes, and :meth:`step` goes by the same check. Counted in :attr:`retried_steps`.
 
         Synchronises once where :meth:`unscale_` has not read the gradients; in a process group, the ranks agree
-        in one reduction more where a gradient overflowed.
+        in one reduction more where a gradient overflowed: all retry where one rank's read names layers (each
+        reads its own shard under FSDP).
         """
         if not (self.enabled and self.recipe.retry_overflowed_steps):
             return False
@@ -331,7 +332,7 @@ class GradientScaler:
         if not self._steps.retryable(optimizer):
             return False
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not every_rank(self._backwards.overflow_named(), grads[0].device):
+        if not any_rank(self._backwards.overflow_named(), grads[0].device):  # sharded: a shard may hold none
             return False
         self._backwards.retry()
         self.update()

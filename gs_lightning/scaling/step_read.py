@@ -119,7 +119,7 @@ class StepRead:
         non_finite = not all(map(math.isfinite, maxima)) or any(values["sparse flags"])
         if sharded or any(g is not t for g, t in zip(grads, local)):
             # Every rank joins, gradients or not.
-            non_finite = _any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)
+            non_finite = any_rank(non_finite, (dense or local or [torch.zeros(())])[0].device)
         if not unread:
             return non_finite
         self._unread = []
@@ -241,20 +241,11 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else grad
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank (sharded gradients: each rank checked its own shard)."""
-    return _reduced(flag, device, "MAX")
-
-
-def every_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on every rank (one reduction where a process group is initialised; every rank calls
-    it)."""
-    return _reduced(flag, device, "MIN")
-
-
-def _reduced(flag: bool, device: torch.device, op: str) -> bool:
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank (sharded gradients: each rank checked its own shard). One reduction where
+    a process group is initialised, which every rank calls."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
     reduced = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(reduced, op=getattr(torch.distributed.ReduceOp, op))
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
     return bool(reduced.item())

@@ -511,7 +511,7 @@ def test_an_update_bounds_weight_gradients_by_the_spikes_of_recent_batches() -> 
     the scales, and the hard batches overflow only weight gradients: recomputed, none skipped."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     run = _hard_batches(scaler, model)
     assert run.skipped == [] and scaler.recomputed_steps == len(HARD)
     assert any(layer.limit is Limit.RECOMPUTED_SPIKES for layer in scaler.layers())

@@ -70,7 +70,7 @@ def _step(
 def test_a_weight_gradient_that_overflows_by_itself_is_recomputed_and_the_step_taken(name: str) -> None:
     model, easy, hard = _setup(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     assert all(_step(scaler, model, optimizer, easy) for _ in range(3))  # an update, then replays
     assert _step(scaler, model, optimizer, hard)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (0, 1)
@@ -93,7 +93,7 @@ def test_what_a_replay_kept_is_released_by_the_steps_read_before_the_optimizer_s
     (ResNet-50 at batch 16, 224x224: 1.2 GiB) are not held through ``optimizer.step()``."""
     model, easy, _ = _setup("linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     assert all(_step(scaler, model, optimizer, easy) for _ in range(2))  # an update, then a replay
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -113,7 +113,7 @@ def test_gradients_computed_from_a_non_finite_one_are_not_recomputed_the_step_is
     non-finite because what it was computed from was. The step is skipped, the weights untouched."""
     model, easy, _ = _setup(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     assert all(_step(scaler, model, optimizer, easy) for _ in range(3))
     optimizer.param_groups[0]["lr"] = 0.1
     before = copy.deepcopy(model.state_dict())
@@ -128,7 +128,7 @@ def test_an_overflow_into_an_accumulated_gradient_is_not_recomputed() -> None:
     operands cannot give back. The step is skipped, as before."""
     model, easy, hard = _setup("linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     assert all(_step(scaler, model, optimizer, easy) for _ in range(3))
     assert not _step(scaler, model, optimizer, hard, backwards=2)
     assert (scaler.skipped_steps, scaler.recomputed_steps) == (1, 0)
@@ -137,9 +137,9 @@ def test_an_overflow_into_an_accumulated_gradient_is_not_recomputed() -> None:
 def test_recomputed_steps_are_saved_and_restored() -> None:
     model, easy, hard = _setup("linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     assert all(_step(scaler, model, optimizer, x) for x in (easy, easy, hard))
-    restored = GradientScaler(model)
+    restored = GradientScaler(model, recompute_weight_gradients=True)
     restored.load_state_dict(scaler.state_dict())
     assert restored.recomputed_steps == scaler.recomputed_steps == 1
     assert _step(restored, model, optimizer, easy) and restored.recomputed_steps == 1
@@ -152,7 +152,7 @@ def test_a_saved_operand_modified_in_place_fails_in_autograd_not_in_the_replays_
     backward raises autograd's own error, as it would without the scaler."""
     model, easy, _ = _setup("linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     assert all(_step(scaler, model, optimizer, easy) for _ in range(2))  # an update, then a replay
     hidden = model[1](model[0](easy))
     loss = model[2](hidden).square().mean()
@@ -195,7 +195,7 @@ def test_layers_whose_operands_checkpointing_recomputes_keep_clear_of_the_spikes
     torch.manual_seed(0)
     model = _CheckpointedFirst()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     x = torch.randn(64, 16)
     assert all(_step(scaler, model, optimizer, x) for _ in range(2))
     analysis = scaler.graphs[-1].analyses[()]
@@ -206,7 +206,7 @@ def test_an_amp_loop_clips_the_recomputed_gradients() -> None:
     """``unscale_`` reads the flags, so the recomputation happens there, before clipping sees ``.grad``."""
     model, easy, hard = _setup("linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     norms = []
     for x in (easy, easy, easy, hard):
         optimizer.zero_grad(set_to_none=True)
@@ -253,7 +253,7 @@ def test_what_a_replay_keeps_recomputes_every_parameter_gradient(name: str, auto
     build, shape = LAYOUTS[name]
     torch.manual_seed(0)
     model, x = build(), torch.randn(*shape)
-    scaler = GradientScaler(model)
+    scaler = GradientScaler(model, recompute_weight_gradients=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     for step in range(2):  # an update, then a replay
         optimizer.zero_grad(set_to_none=True)

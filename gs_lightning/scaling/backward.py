@@ -205,6 +205,8 @@ class ScaledBackwards:
         whose gradients it would have used and restore the attached models' buffers. Returns what finds the first
         non-finite layer among them."""
         ran = self._ran()
+        if not retried:  # a skipped retry keeps its caps
+            self._caps_before_retry = []
         self.backoff.skipped(ran, retried)
         non_finite = self.attached.restore_buffers()
         if non_finite:

@@ -117,6 +117,8 @@ def test_a_retry_that_overflows_again_skips_the_step_and_runs_once() -> None:
     assert len(calls) == 1
     assert (loop.scaler.skipped_steps, loop.scaler.retried_steps) == (1, 1)
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    assert loop.step(easy)
+    assert loop.scaler.graphs[-1].layer_backoff.caps  # a skipped step's caps stay, as without a retry
 
 
 def test_without_the_rule_an_overflowed_step_is_skipped() -> None:

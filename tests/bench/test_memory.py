@@ -56,8 +56,8 @@ def test_gs_between_updates_holds_the_activations_until_the_step_only_with_the_f
     plain = bench.measure(
         device_memory, model, loss, bench.Method(lambda value: value.backward(), lambda: None), replay=False
     )
-    kept = bench.measure(device_memory, model, loss, gs_method(), replay=True)
-    not_kept = bench.measure(device_memory, model, loss, gs_method(recompute_weight_gradients=False), replay=True)
+    kept = bench.measure(device_memory, model, loss, gs_method(recompute_weight_gradients=True), replay=True)
+    not_kept = bench.measure(device_memory, model, loss, gs_method(), replay=True)  # the default keeps nothing
     activation = 8 * 32 * 32 * 32 * 4 / 2**20  # one conv's output (or input to the second), MiB
     assert plain["after forward MiB"] >= 2 * activation
     # each conv's saved input and incoming gradient outlive the backward: the second conv's alone are two activations

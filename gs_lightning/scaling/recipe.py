@@ -432,12 +432,14 @@ class ScalingRecipe:
 
     @property
     def measures_drift(self) -> bool:
-        """Whether a rule reads the weight gradients' largest values between updates (none in the paper's)."""
+        """Whether a rule reads the weight gradients' largest values between updates (none in the paper's): the
+        retry too, which needs the layers that overflowed named."""
         return (
             self.follow_gradients
             or self.drift_tolerance_log2 is not None
             or self.expected_maxima_margin_log2 is not None
             or self.recompute_weight_gradients
+            or self.retry_overflowed_steps
         )
 
     def state_dict(self) -> dict[str, Any]:

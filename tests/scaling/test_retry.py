@@ -169,3 +169,23 @@ def test_updates_after_an_offered_retry_share_the_spikes() -> None:
             assert loop.step(x, retry=retry)
         totals[retry] = {layer.name: layer.log2_total for layer in loop.scaler.layers()}
     assert totals[True]["0"] == totals[False]["0"] + 1
+
+
+def test_the_retry_names_the_layers_where_no_other_rule_reads_the_gradients() -> None:
+    """Without the drift and expected-maxima rules nothing else reads the weight gradients between updates: the
+    retry reads them itself, to name the layers that overflowed."""
+    model, easy, hard = _setup()
+    loop = Loop(
+        model,
+        drift_tolerance_log2=None,
+        expected_maxima_margin_log2=None,
+        update_after_zero_gradient=False,
+        level_steps=1,
+        kept_downstream_cap=False,
+        expect_surprise_within_margin=False,
+        spike_room_log2=0.0,
+    )
+    for _ in range(3):
+        loop.step(easy)
+    assert loop.step(hard)
+    assert (loop.scaler.skipped_steps, loop.scaler.retried_steps) == (0, 1)

@@ -331,8 +331,8 @@ class GradientScaler:
             self.unscale_(optimizer)
         if not self._steps.retryable(optimizer):
             return False
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not any_rank(self._backwards.overflow_named(), grads[0].device):  # sharded: a shard may hold none
+        # any rank: under FSDP each reads its own shard, which may hold none of the overflow
+        if not any_rank(self._backwards.overflow_named(), _grads(optimizer)[0].device):
             return False
         self._backwards.retry()
         self.update()
@@ -387,7 +387,7 @@ class GradientScaler:
 
     def _non_finite(self, optimizer: torch.optim.Optimizer) -> FoundInf:
         """Whether one of ``optimizer``'s gradients is non-finite, every one read: one flag, none if it holds none."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = _grads(optimizer)
         return [self._read.non_finite(grads, self._attached.sharded)] if grads else []
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -558,3 +558,8 @@ def _check_state(state: dict[str, Any]) -> None:
             f"{sorted(state)}). A torch.amp.GradScaler's state has no per-layer scales to restore: start the "
             "GradientScaler fresh, it decides its scales on its first backward."
         )
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients ``optimizer`` holds (its parameters' ``.grad`` that are not ``None``)."""
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

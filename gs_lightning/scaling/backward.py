@@ -193,6 +193,12 @@ class ScaledBackwards:
         for scales in ran:
             scales.drift.forget_step()
 
+    @property
+    def retrying(self) -> bool:
+        """Whether the backward now running is a retry's (:meth:`retry` ran, and the retried step is not yet taken or
+        skipped)."""
+        return bool(self._caps_before_retry)
+
     def retried(self) -> None:
         """The retried step was taken: the caps its overflow set go (the retry's read holds the values that
         overflowed, which the next updates expect)."""
@@ -382,7 +388,8 @@ class ScaledBackwards:
             previous_totals=_gemm_totals(scales.plans.get(path), analysis)
             if recipe.keep_scale_on_zero_gradient
             else {},
-            measured_weight_nodes=scales.measured_weights.get(path),
+            measured_weight_nodes=None if self.retrying else scales.measured_weights.get(path),
+            retrying=self.retrying,
             own_input_scale=own_input_scale,
             sent_maxima=scales.sent_maxima.expected() if own_input_scale else {},
             recipe=recipe,

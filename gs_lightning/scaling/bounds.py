@@ -65,7 +65,11 @@ class Settings:
         measured_weight_nodes: The GEMMs whose weight gradients are computed exactly, where their Cauchy–Schwarz bound
             binds (:meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>`): those
             where it held the scale on an earlier update (:attr:`GraphScales.measured_weights
-            <gs_lightning.scaling.graph_scales.GraphScales.measured_weights>`); ``None``: every GEMM.
+            <gs_lightning.scaling.graph_scales.GraphScales.measured_weights>`); ``None``: every GEMM. Only where no
+            expected maximum bounds the GEMM's parameter gradients instead (:attr:`expected_maxima`).
+        retrying: Whether this update is a retried step's (:attr:`ScalingRecipe.retry_overflowed_steps`): its batch went
+            beyond what was expected, so the expected maxima bound no weight gradient in place of its Cauchy–Schwarz
+            bound, and every GEMM's is measured, as on the first update.
         recipe: The rules' settings (margins, headroom, probe budgets).
     """
 
@@ -83,6 +87,7 @@ class Settings:
     level_maxima: Mapping[int, float] = field(default_factory=dict)
     previous_totals: Mapping[int, Exponent] = field(default_factory=dict)
     measured_weight_nodes: frozenset[int] | None = None
+    retrying: bool = False
     own_input_scale: bool = False
     sent_maxima: Mapping[int, float] = field(default_factory=dict)
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)

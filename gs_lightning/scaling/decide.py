@@ -323,10 +323,15 @@ class NodeDecisions:
             **self.bounds.expected_maxima(i, alpha, device),
         }
         bounds, weight = list(maxima), Bound(Limit.WEIGHT_GRADIENT)
-        # The exact weight gradient, on the GEMMs the settings name (None: every one)
+        # Where the steps' reads expect its parameter gradients, that bound (among maxima) covers the weight gradient
+        # on the batches to come: the Cauchy–Schwarz one gives way to it, unmeasured. Not on a retried step, whose batch
+        # went beyond what was expected. Elsewhere the exact weight gradient, on the GEMMs the settings name (None:
+        # every one).
+        expected = not s.retrying and i in self.bounds.expected
         measures = (
             weight in maxima
             and recipe.exact_probes
+            and not expected
             and (s.measured_weight_nodes is None or i in s.measured_weight_nodes)
         )
         measured = self._measured_weight_maximum(i, grad) if measures else None
@@ -340,9 +345,9 @@ class NodeDecisions:
             binds = (limit < lower.clamp_min(0.0)) & (bounded.amin() == limit)
             if recipe.exact_probes:
                 self.weight_binds[i] = binds
-            if recipe.exact_probes and not measures:  # it stands on this update; the next one measures it
+            if recipe.exact_probes and not measures and not expected:  # it stands on this update; the next measures it
                 self.unmeasured.add(i)
-            else:  # none measured (without exact probes, from an unreadable input): it binds nowhere
+            else:  # none measured (expected; without exact probes, from an unreadable input): it binds nowhere
                 relaxed = (
                     constant(math.inf, device, limits.dtype) if measured is None else torch.maximum(limit, limits[-1])
                 )

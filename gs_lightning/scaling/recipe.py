@@ -134,8 +134,10 @@ class ScalingRecipe:
             [0]
         weight_grad_margin_log2: Binades kept above a weight gradient measured exactly on the
             update iteration, where that measurement replaces the Cauchy–Schwarz bound (measured
-            on the first update, then where that bound held on an earlier one): the measured value
-            is this batch's, and the batches until the next update vary around it. Chosen on
+            where no expected maximum bounds the GEMM's parameter gradients instead: on the first
+            update and a retried step's; without ``expected_maxima_margin_log2``, then where that
+            bound held on an earlier update): the measured value is this batch's, and the batches
+            until the next update vary around it. Chosen on
             ``python bench/compare_training.py`` (commit 383b9ea); the rule by ``pytest
             tests/scaling/test_drift.py -k "weight_gradient_is_measured"``. No effect without
             ``exact_probes`` and ``weight_grad_bounds``. [0]
@@ -175,7 +177,10 @@ class ScalingRecipe:
             layer's scale no longer keeps the margin. Only gradients the format can overflow
             (:func:`~gs_lightning.scaling.walks.format_bounded_leaves`): not a normalisation's fp32
             weight and bias, computed in fp32. ``None``: no such bound, no such update.
-            Protects against a converged task's occasional hard batch (ResNet-8's, up to 2^10 above
+            Where it is known, it stands in for a weight gradient's Cauchy–Schwarz bound, which
+            an update then needs no exact GEMM to relax (``weight_grad_margin_log2``): ResNet-8
+            (fp16, 200 steps) ran 15-16 updates instead of 17-21, none asked for to measure a
+            layer, at the same underflow. Protects against a converged task's occasional hard batch (ResNet-8's, up to 2^10 above
             the median) overflowing scales an update chose on easy ones; 3 chosen on ``python
             bench/compare_training.py`` (commit 9032bdd); the rule by ``pytest
             tests/scaling/test_drift.py -k spikes_of_recent_batches``. [``None``]

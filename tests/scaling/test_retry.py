@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 from gs_lightning import GradientScaler
+from gs_lightning.scaling.decide import NodeDecisions
 from gs_lightning.scaling.schedule import UpdateReason
 
 IGNORED = 2  # input channels the first layer's weights ignore
@@ -189,3 +191,23 @@ def test_the_retry_names_the_layers_where_no_other_rule_reads_the_gradients() ->
         loop.step(easy)
     assert loop.step(hard)
     assert (loop.scaler.skipped_steps, loop.scaler.retried_steps) == (0, 1)
+
+
+def test_the_retry_measures_every_weight_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retried step's batch went beyond what the steps' reads expected: its update computes every GEMM's weight
+    gradient exactly for its bound, as the first update does, instead of taking the expectation in its place."""
+    measured: list[str] = []
+    measure = NodeDecisions._measured_weight_maximum
+
+    def spy(self: NodeDecisions, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        measured.append(self.analysis.layer_names[i])
+        return measure(self, i, grad)
+
+    monkeypatch.setattr(NodeDecisions, "_measured_weight_maximum", spy)
+    model, easy, hard = _setup()
+    loop = Loop(model)
+    assert loop.step(easy) and sorted(measured) == ["0", "3"]  # the first update: nothing expected yet
+    measured.clear()
+    assert all(loop.step(easy) for _ in range(2))
+    assert loop.step(hard) and loop.scaler.retried_steps == 1
+    assert sorted(measured) == ["0", "3"]

@@ -23,6 +23,7 @@ from torch.optim import LBFGS, Optimizer
 
 from gs_lightning.fabric.methods import Scaler, plugin_classes
 from gs_lightning.fabric.packages import FABRIC_PRECISIONS
+from gs_lightning.scaling import GradientScaler
 from gs_lightning.scaling.attached import is_fsdp1_unit
 
 # Each package's FSDPPrecision: its FSDPStrategy takes no other plugin.
@@ -176,10 +177,26 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
             FABRIC_PRECISIONS[0].backward(self, scaler.scale(tensor), model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step unless one of the optimizer's gradients is non-finite, then end the scaler's iteration."""
+        """Step unless one of the optimizer's gradients is non-finite, then end the scaler's iteration.
+
+        ``optimizer.step(closure)``: the closure (the iteration's forward and ``fabric.backward``, its gradients
+        zeroed first, as torch's optimizers expect) runs here, before the check, and its result is returned. With
+        gradient scaling, where the gradients overflowed in layers the scaler names, it runs once more on the same
+        batch under the back-off instead of the step being skipped
+        (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.retry_overflowed_steps`); without a closure an overflowed
+        step is skipped.
+        """
         if isinstance(optimizer, LBFGS):
             raise TypeError(f"{type(self).__name__} and the LBFGS optimizer are not compatible.")
-        step_output = self.scaler.step(optimizer, **kwargs)
+        closure = kwargs.pop("closure", None)
+        if closure is None:
+            step_output = self.scaler.step(optimizer, **kwargs)
+        else:
+            step_output = closure()
+            if isinstance(self.scaler, GradientScaler):
+                self.scaler.step(optimizer, retry=closure, **kwargs)
+            else:
+                self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output
 

@@ -180,9 +180,9 @@ class ScalingRecipe:
             Where it is known, it stands in for a weight gradient's Cauchy–Schwarz bound, which
             an update then needs no exact GEMM to relax (``weight_grad_margin_log2``): ResNet-8
             (fp16, 200 steps) ran 15-16 updates instead of 17-21, none asked for to measure a
-            layer, at the same underflow. Protects against a converged task's occasional hard batch (ResNet-8's, up to 2^10 above
-            the median) overflowing scales an update chose on easy ones; 3 chosen on ``python
-            bench/compare_training.py`` (commit 9032bdd); the rule by ``pytest
+            layer, at the same underflow. Protects against a converged task's occasional hard batch
+            (ResNet-8's, up to 2^10 above the median) overflowing scales an update chose on easy
+            ones; 3 chosen on ``python bench/compare_training.py`` (commit 9032bdd); the rule by ``pytest
             tests/scaling/test_drift.py -k spikes_of_recent_batches``. [``None``]
         kept_downstream_cap: Send no GEMM more scale than it keeps for its own weight gradients
             (under expected maxima): the surplus protects no value (the GEMM multiplies it away
@@ -203,15 +203,15 @@ class ScalingRecipe:
             ``expected_maxima_margin_log2``, nor with ``lambda_min="subnormal"``. [0]
         retry_overflowed_steps: Where a step's gradients overflowed in layers the step's read can name (not a
             non-finite loss) and the caller gave :meth:`GradientScaler.step <gs_lightning.scaling.GradientScaler.step>`
-            a ``retry`` (the Lightning plugin gives its closure), back those layers off as a skipped step would and
-            run the iteration's forward and backward again on the same batch, an update iteration, instead of
+            a ``retry`` (the Lightning and Fabric plugins give their closures), back those layers off as a skipped step
+            would and run the iteration's forward and backward again on the same batch, an update iteration, instead of
             skipping the step; the caps go with the retried step, whose read holds the values that overflowed. The
             overflow costs one iteration more, not a batch, and nothing is kept between updates for it (the fp32
-            recompute, ``recompute_weight_gradients``, keeps the forward's activations until the step: 1.19× a
-            plain backward's peak on ResNet-50, 1.36× on ViT-B/16). Once per step: an overflow on the retry skips
-            it. On the training tables it skipped no step in any cell, as the recompute (*GS, fp32 recompute*),
-            where a loop without a retry skips 0.2-1.3 per run on five of the eight (*GS, no retry*), at 0-4 points
-            more of the run's time over the dynamic loss scale's than the recompute. Measured by ``python
+            recompute, ``recompute_weight_gradients``, keeps the forward's activations until the step: 1.19× a plain
+            backward's peak on ResNet-50, 1.36× on ViT-B/16). Once per step: an overflow on the retry skips it. On the
+            training tables it skipped no step in any cell, as the recompute (*GS, fp32 recompute*), where a loop
+            without a retry skips 0.2-1.3 per run on five of the eight (*GS, no retry*), at 0-4 points more of the run's
+            time over the dynamic loss scale's than the recompute. Measured by ``python
             bench/compare_training.py`` (its *GS retried steps*) and ``pytest tests/scaling/test_retry.py``.
             [``False``]
         recomputed_spike_share: Where an overflowed weight gradient is recomputed, or its step retried (after a step

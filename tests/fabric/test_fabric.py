@@ -265,3 +265,51 @@ def test_plugins_emulate_fp16_on_a_cpu_by_default(name: str, fabric_package: str
     fabric, model, optimizer = launch(fabric_package, plugin, net())
     assert train(fabric, model, optimizer, steps=1) == [True]
     assert plugin.emulate is True
+
+
+def _closure_step(fabric, model, optimizer, x: torch.Tensor, y: torch.Tensor, calls: list[int], factor: float = 1.0):
+    """``optimizer.step(closure)``, the closure zeroing the gradients first and counting its runs."""
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y) * factor
+        fabric.backward(loss)
+        return loss
+
+    return optimizer.step(closure)
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_a_closure_runs_before_the_check_and_its_loss_is_returned(name: str, fabric_package: str) -> None:
+    """``optimizer.step(closure)``, as torch's optimizers take it: the plugin runs the closure, checks the gradients it
+    computed and steps on them; the step returns the closure's loss."""
+    fabric, model, optimizer = launch(fabric_package, PLUGINS[name](), net())
+    for x, y in list(loader())[:3]:
+        before = [p.detach().clone() for p in model.parameters()]
+        calls: list[int] = []
+        loss = _closure_step(fabric, model, optimizer, x, y, calls)
+        assert calls == [1] and torch.isfinite(loss) and loss.dim() == 0
+        assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_an_overflowed_step_runs_its_closure_again(fabric_package: str) -> None:
+    """With gradient scaling, a step whose gradients overflowed in layers the scaler names runs its closure once more
+    on the same batch, under the back-off, and is taken (two input channels the first layer's weights ignore hold
+    60000, finite in fp16, and the loss is 8 times larger: its weight gradient overflows at the scale chosen on the
+    easy batches, while the loss and every gradient sent on stay finite)."""
+    model = net()
+    with torch.no_grad():
+        model[0].weight[:, :2] = 0.0
+    plugin = GradientScalingPlugin()
+    fabric, model, optimizer = launch(fabric_package, plugin, model, lr=0.0)
+    batches = list(loader())[:3]
+    for x, y in batches[:2]:
+        assert _closure_step(fabric, model, optimizer, x, y, []) is not None
+    x, y = batches[2]
+    x = x.clone()
+    x[:, :2] = 6e4
+    calls: list[int] = []
+    _closure_step(fabric, model, optimizer, x, y, calls, factor=8.0)
+    assert calls == [1, 1]
+    assert (plugin.scaler.retried_steps, plugin.scaler.skipped_steps) == (1, 0)

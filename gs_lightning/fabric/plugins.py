@@ -184,7 +184,8 @@ class FP16MixedPrecision(*FABRIC_PRECISIONS):  # type: ignore[misc]
         gradient scaling, where the gradients overflowed in layers the scaler names, it runs once more on the same
         batch under the back-off instead of the step being skipped
         (:attr:`~gs_lightning.scaling.recipe.ScalingRecipe.retry_overflowed_steps`); without a closure an overflowed
-        step is skipped.
+        step is skipped. Synchronises as :meth:`GradientScaler.step <gs_lightning.scaling.GradientScaler.step>` does:
+        once, twice where the step is retried.
         """
         if isinstance(optimizer, LBFGS):
             raise TypeError(f"{type(self).__name__} and the LBFGS optimizer are not compatible.")

@@ -124,3 +124,20 @@ def bench_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Mo
     for name in set(sys.modules) - before:
         if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == BENCH:
             del sys.modules[name]
+
+
+@pytest.fixture
+def measured_weights(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The layers whose weight gradients updates compute exactly (``NodeDecisions._measured_weight_maximum``), in the
+    order measured; clear it between iterations."""
+    from gs_lightning.scaling.decide import NodeDecisions
+
+    measured: list[str] = []
+    measure = NodeDecisions._measured_weight_maximum
+
+    def spy(self: NodeDecisions, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        measured.append(self.analysis.layer_names[i])
+        return measure(self, i, grad)
+
+    monkeypatch.setattr(NodeDecisions, "_measured_weight_maximum", spy)
+    return measured

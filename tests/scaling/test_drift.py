@@ -21,7 +21,6 @@ from torch import nn
 from gs_lightning import GradientScaler
 from gs_lightning.scaling.backoff import LayerBackoff
 from gs_lightning.scaling.bounds import expected_total
-from gs_lightning.scaling.decide import NodeDecisions
 from gs_lightning.scaling.drift import DriftReading, GradientDrift, within_margin
 from gs_lightning.scaling.limits import Limit
 from gs_lightning.scaling.recipe import ScalingRecipe
@@ -113,7 +112,7 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
 
 
 def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_unmeasured(
-    monkeypatch: pytest.MonkeyPatch,
+    measured_weights: list[str],
 ) -> None:
     """The exact weight gradient costs a GEMM per layer: an update computes it for every GEMM first, then only for
     those whose Cauchy–Schwarz bound held the scale on an earlier update. Where that bound holds on a GEMM not
@@ -122,24 +121,16 @@ def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_un
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1))
     x, y = torch.randn(256, 32), torch.randn(256, 1)
-    measured: list[str] = []
-    measure = NodeDecisions._measured_weight_maximum
-
-    def spy(self: NodeDecisions, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        measured.append(self.analysis.layer_names[i])
-        return measure(self, i, grad)
-
-    monkeypatch.setattr(NodeDecisions, "_measured_weight_maximum", spy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights change only where the test changes them
     # Without the bound from recent batches' weight gradients, which holds this head once they are known
     scaler = GradientScaler(model, recipe=ScalingRecipe(update_interval=2, expected_maxima_margin_log2=None))
 
     def iteration() -> tuple[list[str], dict[str, Any]]:
-        measured.clear()
+        measured_weights.clear()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = ((model(x).float() - y) ** 2).mean() * 1e-4
         assert _step(scaler, optimizer, loss)
-        return sorted(measured), {layer.name: layer for layer in scaler.layers()}
+        return sorted(measured_weights), {layer.name: layer for layer in scaler.layers()}
 
     first, layers = iteration()  # the first update measures every GEMM; no bound holds
     assert first == ["0", "2"] and layers["2"].limit is Limit.NONE
@@ -157,7 +148,7 @@ def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_un
     assert iteration()[0] == ["2"]
 
 
-def test_an_expected_weight_gradient_is_bounded_by_its_expectation_unmeasured(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_expected_weight_gradient_is_bounded_by_its_expectation_unmeasured(measured_weights: list[str]) -> None:
     """Once the steps' reads expect a GEMM's parameter gradients, that bound covers its weight gradient for the batches
     to come: where the Cauchy–Schwarz bound would hold the scale, it gives way to the expectation, with no GEMM
     recomputed and no update asked for to measure one (issue 14's head, as in the test above, under the default
@@ -165,23 +156,15 @@ def test_an_expected_weight_gradient_is_bounded_by_its_expectation_unmeasured(mo
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1))
     x, y = torch.randn(256, 32), torch.randn(256, 1)
-    measured: list[str] = []
-    measure = NodeDecisions._measured_weight_maximum
-
-    def spy(self: NodeDecisions, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        measured.append(self.analysis.layer_names[i])
-        return measure(self, i, grad)
-
-    monkeypatch.setattr(NodeDecisions, "_measured_weight_maximum", spy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = GradientScaler(model, recipe=ScalingRecipe(update_interval=2))
 
     def iteration() -> tuple[list[str], dict[str, Any]]:
-        measured.clear()
+        measured_weights.clear()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = ((model(x).float() - y) ** 2).mean() * 1e-4
         assert _step(scaler, optimizer, loss)
-        return sorted(measured), {layer.name: layer for layer in scaler.layers()}
+        return sorted(measured_weights), {layer.name: layer for layer in scaler.layers()}
 
     assert iteration()[0] == ["0", "2"]  # the first update measures every GEMM: nothing is expected yet
     assert iteration()[0] == [] and scaler.update_iterations == 1  # a replay; its read gives the expectations

@@ -111,6 +111,27 @@ def test_regression_head_at_its_chosen_scale_is_measured_within_twice_the_target
         assert torch.isfinite(parameter.grad).all(), name
 
 
+class _Issue14Head:
+    """Issue 14's regression head, Linear(1024, 1) on an fp16 Linear(32, 1024) body, MSE ×1e-4, SGD at lr 0 (the
+    weights change only where a test changes them), one iteration at a time: the layers each update measured the
+    weight gradients of (``measured``, the ``measured_weights`` fixture's list), and the layers after it."""
+
+    def __init__(self, recipe: ScalingRecipe, measured: list[str]) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1))
+        self.x, self.y = torch.randn(256, 32), torch.randn(256, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        self.scaler = GradientScaler(self.model, recipe=recipe)
+        self.measured = measured
+
+    def iteration(self) -> tuple[list[str], dict[str, Any]]:
+        self.measured.clear()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((self.model(self.x).float() - self.y) ** 2).mean() * 1e-4
+        assert _step(self.scaler, self.optimizer, loss)
+        return sorted(self.measured), {layer.name: layer for layer in self.scaler.layers()}
+
+
 def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_unmeasured(
     measured_weights: list[str],
 ) -> None:
@@ -118,19 +139,9 @@ def test_a_weight_gradient_is_measured_where_its_bound_held_and_once_it_holds_un
     those whose Cauchy–Schwarz bound held the scale on an earlier update. Where that bound holds on a GEMM not
     measured (issue 14's head, once its weights shrink 100x), it holds for that update, and the next backward
     updates again, measuring it."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1))
-    x, y = torch.randn(256, 32), torch.randn(256, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights change only where the test changes them
     # Without the bound from recent batches' weight gradients, which holds this head once they are known
-    scaler = GradientScaler(model, recipe=ScalingRecipe(update_interval=2, expected_maxima_margin_log2=None))
-
-    def iteration() -> tuple[list[str], dict[str, Any]]:
-        measured_weights.clear()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x).float() - y) ** 2).mean() * 1e-4
-        assert _step(scaler, optimizer, loss)
-        return sorted(measured_weights), {layer.name: layer for layer in scaler.layers()}
+    head = _Issue14Head(ScalingRecipe(update_interval=2, expected_maxima_margin_log2=None), measured_weights)
+    model, scaler, iteration = head.model, head.scaler, head.iteration
 
     first, layers = iteration()  # the first update measures every GEMM; no bound holds
     assert first == ["0", "2"] and layers["2"].limit is Limit.NONE
@@ -153,18 +164,8 @@ def test_an_expected_weight_gradient_is_bounded_by_its_expectation_unmeasured(me
     to come: where the Cauchy–Schwarz bound would hold the scale, it gives way to the expectation, with no GEMM
     recomputed and no update asked for to measure one (issue 14's head, as in the test above, under the default
     recipe)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1))
-    x, y = torch.randn(256, 32), torch.randn(256, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = GradientScaler(model, recipe=ScalingRecipe(update_interval=2))
-
-    def iteration() -> tuple[list[str], dict[str, Any]]:
-        measured_weights.clear()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x).float() - y) ** 2).mean() * 1e-4
-        assert _step(scaler, optimizer, loss)
-        return sorted(measured_weights), {layer.name: layer for layer in scaler.layers()}
+    head = _Issue14Head(ScalingRecipe(update_interval=2), measured_weights)
+    model, scaler, iteration = head.model, head.scaler, head.iteration
 
     assert iteration()[0] == ["0", "2"]  # the first update measures every GEMM: nothing is expected yet
     assert iteration()[0] == [] and scaler.update_iterations == 1  # a replay; its read gives the expectations

@@ -209,9 +209,9 @@ class ScalingRecipe:
             overflow costs one iteration more, not a batch, and nothing is kept between updates for it (the fp32
             recompute, ``recompute_weight_gradients``, keeps the forward's activations until the step: 1.19× a plain
             backward's peak on ResNet-50, 1.36× on ViT-B/16). Once per step: an overflow on the retry skips it. On the
-            training tables it skipped no step in any cell, as the recompute (*GS, fp32 recompute*), where a loop
-            without a retry skips 0.2-1.3 per run on five of the eight (*GS, no retry*), at 0-4 points more of the run's
-            time over the dynamic loss scale's than the recompute. Measured by ``python
+            training tables it skipped no step in any cell, where the recompute (*GS, fp32 recompute*) skips 0.3 per run
+            on one of the eight and a loop without a retry 0.2-1.7 on six (*GS, no retry*), at -3 to +7 points of the
+            run's time over the dynamic loss scale's against the recompute. Measured by ``python
             bench/compare_training.py`` (its *GS retried steps*) and ``pytest tests/scaling/test_retry.py``.
             [``False``]
         recomputed_spike_share: Where an overflowed weight gradient is recomputed, or its step retried (after a step

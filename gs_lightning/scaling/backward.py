@@ -388,7 +388,7 @@ class ScaledBackwards:
             previous_totals=_gemm_totals(scales.plans.get(path), analysis)
             if recipe.keep_scale_on_zero_gradient
             else {},
-            measured_weight_nodes=None if self.retrying else scales.measured_weights.get(path),
+            measured_weight_nodes=scales.measured_weights.get(path),
             retrying=self.retrying,
             own_input_scale=own_input_scale,
             sent_maxima=scales.sent_maxima.expected() if own_input_scale else {},

@@ -66,7 +66,8 @@ class Settings:
             binds (:meth:`NodeDecisions.gemm_scale <gs_lightning.scaling.decide.NodeDecisions.gemm_scale>`): those
             where it held the scale on an earlier update (:attr:`GraphScales.measured_weights
             <gs_lightning.scaling.graph_scales.GraphScales.measured_weights>`); ``None``: every GEMM. Only where no
-            expected maximum bounds the GEMM's parameter gradients instead (:attr:`expected_maxima`).
+            expected maximum bounds the GEMM's parameter gradients instead (:attr:`expected_maxima`), and every GEMM
+            where :attr:`retrying`.
         retrying: Whether this update is a retried step's (:attr:`ScalingRecipe.retry_overflowed_steps`): its batch went
             beyond what was expected, so the expected maxima bound no weight gradient in place of its Cauchy–Schwarz
             bound, and every GEMM's is measured, as on the first update.

@@ -326,13 +326,13 @@ class NodeDecisions:
         # Where the steps' reads expect its parameter gradients, that bound (among maxima) covers the weight gradient
         # on the batches to come: the Cauchy–Schwarz one gives way to it, unmeasured. Not on a retried step, whose batch
         # went beyond what was expected. Elsewhere the exact weight gradient, on the GEMMs the settings name (None:
-        # every one).
+        # every one; every one on a retried step's too).
         expected = not s.retrying and i in self.bounds.expected
         measures = (
             weight in maxima
             and recipe.exact_probes
             and not expected
-            and (s.measured_weight_nodes is None or i in s.measured_weight_nodes)
+            and (s.retrying or s.measured_weight_nodes is None or i in s.measured_weight_nodes)
         )
         measured = self._measured_weight_maximum(i, grad) if measures else None
         limits = overflow_max_log2_scale(

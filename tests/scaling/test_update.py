@@ -130,3 +130,47 @@ def test_a_product_by_a_constant_counts_as_a_gain() -> None:
     found = node_gains(graph, analyze(graph, {}))
     gains = sorted((graph.names[j], float(gain)) for j, gain in bounded_gains(found).items())
     assert gains == [("MulBackward0", 1.0), ("MulBackward0", 64.0)]  # the product by 0.5 grows nothing
+
+
+def test_an_update_the_gradients_reading_asks_for_reuses_the_last_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update asked for by drift (or another of the reading's reasons) probes no GEMM: each takes Theorem 1's scale
+    raised by its last probe lift. On the same batch with the weights unchanged, that is the probed update's scale,
+    exactly. The schedule's update probes again; the lifts survive a checkpoint."""
+    from gs_lightning.scaling import decide
+    from gs_lightning.scaling.schedule import UpdateReason
+
+    probed: list[int] = []
+    probe = decide.probe
+    monkeypatch.setattr(decide, "probe", lambda node, *args: probed.append(id(node)) or probe(node, *args))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 4))
+    x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradientScaler(model, update_interval=3)
+
+    def iteration() -> dict[str, tuple[int, float]]:
+        probed.clear()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x).float(), y)
+        scaler.backward(loss)
+        assert scaler.step(optimizer)
+        scaler.update()
+        return {layer.name: (layer.log2_total, layer.underflow_rate) for layer in scaler.layers()}
+
+    first = iteration()
+    assert probed and scaler.updates[-1].reasons == {UpdateReason.FIRST}
+    lifts = dict(scaler.graphs[-1].probe_lifts[()])
+    assert len(lifts) == 2  # the GEMMs that send a gradient on; the first layer has no model to raise: it probes
+    assert all(0.5 < sent <= overall for sent, overall in lifts.values())  # Theorem 1 alone would choose lower scales
+    scaler.graphs[-1].schedule.ask(UpdateReason.DRIFT)
+    lifted = iteration()
+    assert scaler.updates[-1].reasons == {UpdateReason.DRIFT} and scaler.update_iterations == 2
+    assert len(probed) == 2  # the first layer's weight and bias gradients: it sends nothing on, no model to raise
+    assert {name: total for name, (total, _) in lifted.items()} == {name: total for name, (total, _) in first.items()}
+    saved = scaler.state_dict()
+    assert iteration() and not probed  # a replay
+    assert iteration() and probed and scaler.updates[-1].reasons == {UpdateReason.INTERVAL}
+    resumed = GradientScaler(model, update_interval=3)
+    resumed.load_state_dict(saved)
+    assert resumed.graphs[-1].probe_lifts == {(): lifts}

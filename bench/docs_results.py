@@ -866,7 +866,9 @@ PAGES = (
             "the Hugging Face Trainer): an overflowed step is skipped. "
             "*GS, own input-gradient scales*: `own_input_gradient_scale=True` (opt-in: a GEMM whose weight gradients "
             "hold its scale down sends its input gradient at the scale that gradient needs, bounded by the largest "
-            "it sent in recent replays).",
+            "it sent in recent replays). *GS, probes on every update*: `reuse_probes=False`, every update runs "
+            "the exact probes, where by default an update that drift or a surprise asks for reuses the last "
+            "probes' lift of Theorem 1 (what that saves in time, and what it costs in underflow).",
             "*GEMM-gradient underflow*: of each gradient the emulation casts (what a backward GEMM produces, or on "
             "the hardware path what enters it), the fraction of its nonzero exact values that rounding made zero, "
             "averaged over tensors and steps. *Oracle underflow*: the same for the best power-of-two scale of each "

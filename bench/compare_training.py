@@ -11,7 +11,8 @@ Methods, in three settings:
   Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper), on request GS's variants
   (:data:`GS_VARIANTS`: following the gradients between updates, recomputing overflowed weight gradients in fp32
   instead of retrying the step, skipping overflowed steps as a loop without a retry does, with GEMMs sending their
-  input gradients at scales of their own, probing on every update); GS's steps are given a retry (``GradientScaler.step(retry=...)``);
+  input gradients at scales of their own, probing on every update); GS's steps are given a retry
+  (``GradientScaler.step(retry=...)``);
 * fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
   GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
   dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor

@@ -897,7 +897,8 @@ PAGES = (
         ("overhead.py", "gpu_estimate.py"),
         "`bench/overhead.py` times one backward (and the step's finiteness check) per method, methods "
         "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
-        "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
+        "(statistics and probes), an update that drift asked for (which reuses the last probes' lift instead of "
+        "probing) and a GS iteration between updates (replayed scales). It also counts the aten "
         "operations each dispatches (on a GPU, each is a kernel launch). `bench/gpu_estimate.py` turns such "
         "counts, with FLOPs and bytes, into an estimate for a GPU, labelled as one.",
     ),

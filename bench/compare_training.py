@@ -11,8 +11,7 @@ Methods, in three settings:
   Algorithm 1 as published (``ScalingRecipe.paper()``: no rule beyond the paper), on request GS's variants
   (:data:`GS_VARIANTS`: following the gradients between updates, recomputing overflowed weight gradients in fp32
   instead of retrying the step, skipping overflowed steps as a loop without a retry does, with GEMMs sending their
-  input gradients at scales of their own, probing on every update); GS's steps are given a retry
-  (``GradientScaler.step(retry=...)``);
+  input gradients at scales of their own); GS's steps are given a retry (``GradientScaler.step(retry=...)``);
 * fp8 gradients on the fp16 path (every gradient a backward GEMM *produces* rounded to fp8, the
   GEMM writing it itself: no method sees it first): e5m2 without scaling, fixed loss scale 4096,
   dynamic loss scale, Transformer Engine's delayed per-tensor amax scaling, current per-tensor
@@ -78,15 +77,12 @@ RECOMPUTE_LABEL = "GS, fp32 recompute"
 NO_RETRY_LABEL = "GS, no retry"
 # GS with ScalingRecipe.own_input_gradient_scale: what a GEMM sends on at a scale of its own (issue 51)
 OWN_INPUT_SCALE_LABEL = "GS, own input-gradient scales"
-# GS with reuse_probes=False: every update probes, where the reading's updates reuse the last probes' lift
-PROBE_EVERY_UPDATE_LABEL = "GS, probes on every update"
 # GS with recipe fields changed, run in fp16 and e5m2 on request: (key suffix, label, fields)
 GS_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("follow", FOLLOW_LABEL, {"follow_gradients": True}),
     ("recompute", RECOMPUTE_LABEL, {"recompute_weight_gradients": True, "retry_overflowed_steps": False}),
     ("no-retry", NO_RETRY_LABEL, {"retry_overflowed_steps": False}),
     ("own-input-scale", OWN_INPUT_SCALE_LABEL, {"own_input_gradient_scale": True}),
-    ("probe-every-update", PROBE_EVERY_UPDATE_LABEL, {"reuse_probes": False}),
 )
 _FORMAT_NAMES = {E5M2: "e5m2", E4M3: "e4m3fn"}
 

@@ -866,9 +866,7 @@ PAGES = (
             "the Hugging Face Trainer): an overflowed step is skipped. "
             "*GS, own input-gradient scales*: `own_input_gradient_scale=True` (opt-in: a GEMM whose weight gradients "
             "hold its scale down sends its input gradient at the scale that gradient needs, bounded by the largest "
-            "it sent in recent replays). *GS, probes on every update*: `reuse_probes=False`, every update runs "
-            "the exact probes, where by default an update that drift or a surprise asks for reuses the last "
-            "probes' lift of Theorem 1 (what that saves in time, and what it costs in underflow).",
+            "it sent in recent replays).",
             "*GEMM-gradient underflow*: of each gradient the emulation casts (what a backward GEMM produces, or on "
             "the hardware path what enters it), the fraction of its nonzero exact values that rounding made zero, "
             "averaged over tensors and steps. *Oracle underflow*: the same for the best power-of-two scale of each "
@@ -897,8 +895,7 @@ PAGES = (
         ("overhead.py", "gpu_estimate.py"),
         "`bench/overhead.py` times one backward (and the step's finiteness check) per method, methods "
         "interleaved round by round, medians: a plain backward, `torch.amp.GradScaler`, a GS update iteration "
-        "(statistics and probes), an update that drift asked for (which reuses the last probes' lift instead of "
-        "probing) and a GS iteration between updates (replayed scales). It also counts the aten "
+        "(statistics and probes) and a GS iteration between updates (replayed scales). It also counts the aten "
         "operations each dispatches (on a GPU, each is a kernel launch). `bench/gpu_estimate.py` turns such "
         "counts, with FLOPs and bytes, into an estimate for a GPU, labelled as one.",
     ),

@@ -6,8 +6,6 @@ Measured side by side in one run, methods interleaved round by round, medians re
 * GradScaler ``scale(loss).backward()``, ``unscale_`` (fused unscale + inf check), ``update``
 * GS update  ``GradientScaler.backward`` + ``found_inf`` on an update iteration (statistics)
 * GS reuse   ``GradientScaler.backward`` + ``found_inf`` between updates (constant factors)
-* GS drift's update: an update the step's reading asked for (drift), which reuses the last exact probes'
-  lift of Theorem 1 instead of probing (``ScalingRecipe.reuse_probes``)
 * GS reuse with the fp32 recompute (``recompute_weight_gradients=True``, off by default): what keeping each
   GEMM's operands and incoming gradient until the step costs (on a CPU mostly the allocator's: that memory is
   not reused within the backward); not with ``--compile``, where compiled modules keep nothing
@@ -51,9 +49,6 @@ from gs_lightning.scaling.drift import largest_magnitudes
 from gs_lightning.scaling.finite import unscale_
 from gs_lightning.scaling.graph import walk
 from gs_lightning.scaling.plan import LeafTargets
-from gs_lightning.scaling.schedule import UpdateReason
-
-DRIFT_UPDATE = "GS drift's update"
 
 
 def _time(fn: Callable[[], None], device: torch.device, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -214,7 +209,7 @@ def main() -> None:
     def compiled() -> torch.nn.Module:
         return torch.compile(model, backend=args.backend) if args.compile else model
 
-    plain_model, update_model, reuse_model, drift_model = compiled(), compiled(), compiled(), compiled()
+    plain_model, update_model, reuse_model = compiled(), compiled(), compiled()
 
     def loss(forward: torch.nn.Module = plain_model) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
@@ -225,22 +220,13 @@ def main() -> None:
     gs_update = GradientScaler(update_model, update_interval=1)
     gs_reuse = GradientScaler(reuse_model, update_interval=10**9)
     gs_reuse.backward(loss(reuse_model))  # its one update; every later backward replays it
-    gs_drift = GradientScaler(drift_model, update_interval=10**9)
-    gradient_scaling(gs_drift, loss(drift_model))  # its first update, which probes; the step's read keeps the lifts
-
-    def drift_update(value: torch.Tensor) -> None:
-        for scales in gs_drift.graphs:  # as the step's read asks where the gradients shrank
-            scales.schedule.ask(UpdateReason.DRIFT)
-        gradient_scaling(gs_drift, value)
-
-    forward_of = {"GS update iteration": update_model, "GS between updates": reuse_model, DRIFT_UPDATE: drift_model}
+    forward_of = {"GS update iteration": update_model, "GS between updates": reuse_model}
     gs_keeping = None
     if not args.compile:
         gs_keeping = GradientScaler(model, update_interval=10**9, recompute_weight_gradients=True)
         gs_keeping.backward(loss())
 
     methods = backward_methods(amp, optimizer, gs_update, gs_reuse)
-    methods[DRIFT_UPDATE] = drift_update
     if gs_keeping is not None:
         methods["GS between updates, fp32 recompute"] = partial(gradient_scaling, gs_keeping)
     times: dict[str, list[float]] = {name: [] for name in methods}

@@ -30,7 +30,7 @@ from gs_lightning.scaling.graph_scales import GraphRegistry, GraphScales, Path
 from gs_lightning.scaling.plan import Exponent, LeafTargets, ScalePlan, times_pow2
 from gs_lightning.scaling.profiled import profiled
 from gs_lightning.scaling.recipe import ScalingRecipe
-from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord, probes_due
+from gs_lightning.scaling.schedule import UpdateReason, UpdateRecord
 from gs_lightning.scaling.step_read import StepRead
 from gs_lightning.scaling.update import UpdateRun
 from gs_lightning.scaling.walks import format_bounded_leaves, leaf_variables, summed_leaves
@@ -288,12 +288,7 @@ class ScaledBackwards:
             None
             if replay
             else UpdateRun(
-                graph,
-                analysis,
-                self._settings(graph, analysis, path, scales, reasons if parent is None else parent.reasons, known),
-                leaves,
-                self.warn_once,
-                root_alpha,
+                graph, analysis, self._settings(graph, analysis, path, scales), leaves, self.warn_once, root_alpha
             )
         )
         prepared = PreparedBackward(graph, analysis, leaves, run, path, parent, scales, reasons)
@@ -358,17 +353,7 @@ class ScaledBackwards:
                 deferred.append(j)
         return frozenset(deferred)
 
-    def _settings(
-        self,
-        graph: AutogradGraph,
-        analysis: GraphAnalysis,
-        path: Path,
-        scales: GraphScales,
-        reasons: frozenset[UpdateReason],
-        known: bool,
-    ) -> Settings:
-        """What the update run of ``graph`` (at ``path``, asked for by ``reasons``) needs; ``known``: whether its
-        structure's plan matches it (the probe lifts are keyed by its nodes)."""
+    def _settings(self, graph: AutogradGraph, analysis: GraphAnalysis, path: Path, scales: GraphScales) -> Settings:
         # Not where a compiled module replays the scales (its graph keeps nothing to recompute from),
         # nor in a format that saturates instead of overflowing.
         recipe = self.recipe
@@ -407,9 +392,6 @@ class ScaledBackwards:
             retrying=self.retrying,
             own_input_scale=own_input_scale,
             sent_maxima=scales.sent_maxima.expected() if own_input_scale else {},
-            probe_lifts=scales.probe_lifts.get(path, {})
-            if recipe.reuse_probes and known and not self.retrying and not probes_due(reasons)
-            else None,
             recipe=recipe,
         )
 

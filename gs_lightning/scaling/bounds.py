@@ -71,10 +71,6 @@ class Settings:
         retrying: Whether this update is a retried step's (:attr:`ScalingRecipe.retry_overflowed_steps`): its batch went
             beyond what was expected, so the expected maxima bound no weight gradient in place of its Cauchy–Schwarz
             bound, and every GEMM's is measured, as on the first update.
-        probe_lifts: GEMM -> how many binades its last exact probes raised Theorem 1's scale, of what it sends on and
-            overall (:attr:`GraphScales.probe_lifts <gs_lightning.scaling.graph_scales.GraphScales.probe_lifts>`): an
-            update that reuses them (:attr:`ScalingRecipe.reuse_probes`) takes those GEMMs' scales from the model
-            raised by them, unprobed. ``None``: every GEMM probes.
         recipe: The rules' settings (margins, headroom, probe budgets).
     """
 
@@ -95,7 +91,6 @@ class Settings:
     retrying: bool = False
     own_input_scale: bool = False
     sent_maxima: Mapping[int, float] = field(default_factory=dict)
-    probe_lifts: Mapping[int, tuple[float, float]] | None = None
     recipe: ScalingRecipe = field(default_factory=ScalingRecipe)
 
 

@@ -194,9 +194,6 @@ class NodeDecisions:
         weight_binds: GEMM -> whether its Cauchy–Schwarz weight-gradient bound held its scale below γ' (0-dim, unread).
         unmeasured: The GEMMs whose weight gradients were not measured (:attr:`Settings.measured_weight_nodes`).
         weight_bound: The GEMMs of :attr:`weight_binds` where it held (once read in).
-        probe_lifts: GEMM -> how far its exact probes raised Theorem 1's scale (log2, 0-dim, unread), of what it sends
-            on and overall: the lifts an update that reuses them adds to the model (:attr:`Settings.probe_lifts`).
-        lifts: :attr:`probe_lifts` as read, the finite ones (once read in).
     """
 
     def __init__(self, graph: AutogradGraph, analysis: GraphAnalysis, settings: Settings, bounds: ScaleBounds) -> None:
@@ -210,8 +207,6 @@ class NodeDecisions:
         self.unmeasured: set[int] = set()
         self.weight_bound: set[int] = set()  # once read in
         self.input_shifts: dict[int, tuple[tuple[int, ...], Exponent]] = {}  # GEMM -> its edges, their own scale
-        self.probe_lifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # GEMM -> its probes' lifts, unread
-        self.lifts: dict[int, tuple[float, float]] = {}  # once read in
 
     def decide(
         self, i: int, grad: torch.Tensor, grad_extremes: Extremes, grads: list[torch.Tensor], alpha: Exponent
@@ -292,19 +287,16 @@ class NodeDecisions:
         if not operands and not weight_bounds:  # operands unreadable (checkpointed), or nothing to send on
             return 0
         recipe, device = s.recipe, grad.device
-        # the model raised by the last probes' lift (a GEMM that sends nothing on has no model to raise: it probes)
-        lift = s.probe_lifts.get(i) if s.probe_lifts is not None and operands else None
-        probing = recipe.exact_probes and lift is None
         sent_values = (
             [
                 v
                 for v in (probe(node, grad, k, op.operand, recipe.probe_elements) for k, op in operands)
                 if v is not None
             ]
-            if probing
+            if recipe.exact_probes
             else []
         )
-        weight_values = self._weight_samples(i, grad) if probing else []
+        weight_values = self._weight_samples(i, grad) if recipe.exact_probes else []
         sent, weight_samples = [ExactSample(v) for v in sent_values], [ExactSample(v) for v in weight_values]
         grad_rms, grad_max = rms(grad).double(), magnitude(grad_extremes)
         operand_rms = [rms(op.operand).double() for _, op in operands]
@@ -314,18 +306,11 @@ class NodeDecisions:
         decided = all_finite([grad_max, *operand_rms, *operand_max, *weight_stats.values()])
         lengths = [s.relu_factor * op.accumulation_length for _, op in operands]
         sigmas = [gemm_sigma(n, grad_rms, operand_rms[k]) for k, n in enumerate(lengths)]
-        lower_model = [
+        lower_sent = [
             gemm_min_log2_scale(sigma, s.lambda_min, s.underflow_rate, n) for sigma, n in zip(sigmas, lengths)
-        ]
-        lower_sent = lower_model + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in sent]
+        ] + [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in sent]
         lower_weights = [v.min_log2_scale(s.lambda_min, s.underflow_rate) for v in weight_samples]
         lower = largest(lower_sent + lower_weights, device)
-        if lift is not None:
-            model = largest(lower_model, device)
-            lower_sent, lower = [model + lift[0]], model + lift[1]
-        elif probing and lower_model:
-            model = largest(lower_model, device)
-            self.probe_lifts[i] = (largest(lower_sent, device) - model, lower - model)
         maxima = {
             Bound(Limit.INCOMING_GRADIENT): grad_max,
             **{
@@ -632,19 +617,15 @@ class NodeDecisions:
 
     def unread(self) -> list[torch.Tensor]:
         """What :meth:`read_in` needs read: the decisions' scales, reasons and whether they decided, the weight
-        bounds' flags, the probe lifts."""
-        return [
-            *(t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()),
-            *self.weight_binds.values(),
-            *(t for lifts in self.probe_lifts.values() for t in lifts),
-        ]
+        bounds' flags."""
+        return [t for layer in self.layers if isinstance(layer, UnreadLayer) for t in layer.tensors()] + list(
+            self.weight_binds.values()
+        )
 
     def read_in(self, values: Mapping[torch.Tensor, float]) -> None:
         """Every :class:`UnreadLayer` a :class:`LayerScale`, ``values`` holding :meth:`unread` as read; the layers that
         did not decide into :attr:`undecided` (their rates are not applied: they stay NaN)."""
         self.weight_bound = {i for i, binds in self.weight_binds.items() if values[binds]}
-        read = {i: (values[sent], values[overall]) for i, (sent, overall) in self.probe_lifts.items()}
-        self.lifts = {i: lift for i, lift in read.items() if all(map(math.isfinite, lift))}
         for k, layer in enumerate(self.layers):
             if isinstance(layer, UnreadLayer):
                 self.layers[k], decided = layer.read(values)

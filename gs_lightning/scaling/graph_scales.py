@@ -52,10 +52,6 @@ class GraphScales:
         measured_weights: Per path, the GEMMs whose weight gradients its updates compute exactly (where the
             Cauchy–Schwarz bound binds): those where it held the scale on an earlier update, every GEMM before the
             first (no entry). A GEMM joins as its bound first holds; unmeasured then, the next backward updates.
-        probe_lifts: Per path, GEMM -> how many binades its last exact probes raised Theorem 1's scale, of what it
-            sends on and overall (:attr:`NodeDecisions.lifts <gs_lightning.scaling.decide.NodeDecisions.lifts>`): what
-            an update the gradients' reading asked for adds to the model instead of probing
-            (:attr:`ScalingRecipe.reuse_probes <gs_lightning.scaling.recipe.ScalingRecipe.reuse_probes>`).
     """
 
     def __init__(self, names: tuple[str, ...], edges: tuple, drift: GradientDrift) -> None:
@@ -75,7 +71,6 @@ class GraphScales:
         # updates whose scales are unread
         self._runs: list[tuple[UpdateRun, ScalePlan, Path, Callable[[], None] | None]] = []
         self.measured_weights: dict[Path, frozenset[int]] = {}
-        self.probe_lifts: dict[Path, dict[int, tuple[float, float]]] = {}
         self.schedule = UpdateSchedule()
 
     @property
@@ -155,7 +150,6 @@ class GraphScales:
             run.read_in(known)
             plan.read_in(known)
             self._measure_weights(path, run.decisions)
-            self._keep_lifts(path, run.decisions)
         self.drift.read_in(known)  # the scales of the gradients it queued
         for _, _, _, after_read in runs:
             if after_read is not None:
@@ -176,14 +170,6 @@ class GraphScales:
         self.measured_weights[path] = self.measured_weights.get(path, frozenset()) | decisions.weight_bound
         if decisions.weight_bound & decisions.unmeasured:
             self.schedule.ask(UpdateReason.UNMEASURED_WEIGHT_BOUND)
-
-    def _keep_lifts(self, path: Path, decisions: NodeDecisions) -> None:
-        """The probe lifts an update read: all of :attr:`probe_lifts` where every GEMM probed, else those of the GEMMs
-        that did (having none)."""
-        probed_all = decisions.settings.probe_lifts is None
-        self.probe_lifts[path] = (
-            decisions.lifts if probed_all else {**self.probe_lifts.get(path, {}), **decisions.lifts}
-        )
 
     def _unread_scales(self) -> list[torch.Tensor]:
         """The scales and decisions of the runs kept unread, each tensor once."""
@@ -219,10 +205,6 @@ class GraphScales:
             "first_non_finite": self.first_non_finite,
             **self.schedule.state_dict(),
             "measured_weights": [[list(path), sorted(nodes)] for path, nodes in self.measured_weights.items()],
-            "probe_lifts": [
-                [list(path), [[i, *lift] for i, lift in sorted(lifts.items())]]
-                for path, lifts in self.probe_lifts.items()
-            ],
         }
 
     @classmethod
@@ -239,10 +221,6 @@ class GraphScales:
         graph._first_non_finite = state.get("first_non_finite")
         graph.schedule.load_state_dict(state)
         graph.measured_weights = {tuple(path): frozenset(nodes) for path, nodes in state.get("measured_weights", [])}
-        graph.probe_lifts = {
-            tuple(path): {int(i): (float(sent), float(overall)) for i, sent, overall in lifts}
-            for path, lifts in state.get("probe_lifts", [])
-        }
         return graph
 
     # Pickled (copy.deepcopy) as its state: the analyses hold autograd nodes, the plans cached hooks.

@@ -69,14 +69,6 @@ class ScalingRecipe:
             without ``exact_probes``.
         weight_probe_macs: Multiply-adds a weight-gradient probe may spend (fewer values where
             each sums over many positions). No effect without ``exact_probes``.
-        reuse_probes: Where an update is one the gradients' reading asked for between the schedule's
-            (:data:`~gs_lightning.scaling.schedule.READING_REASONS`: drift, a weight gradient above its
-            expected maximum, one turning all zeros), each GEMM skips its exact probes and takes Theorem 1's
-            scale raised by what its probes raised it last time (its probe lift, read with that update's
-            step). The first update, the interval's, and those after a skipped or retried step probe, as
-            does any GEMM without a lift yet. The probes are about half an update's extra work (ResNet-8:
-            most updates are asked for by drift); ``python bench/compare_training.py`` measures what this
-            saves and what it costs in underflow. No effect without ``exact_probes``.
 
     Where the paper is silent (the same in both presets: Algorithm 1 on a real autograd graph needs
     each, and :meth:`paper` decides with them as the default does):
@@ -286,7 +278,6 @@ class ScalingRecipe:
     probe_elements: int = 2**16
     weight_probe_elements: int = 2**13
     weight_probe_macs: int = 2**22
-    reuse_probes: bool = True
 
     weight_grad_bounds: bool = True
     branch_sum_bound: bool = True
@@ -337,7 +328,6 @@ class ScalingRecipe:
                 fail(field, "None or a number >= 1")
         switches = (
             "exact_probes",
-            "reuse_probes",
             "follow_gradients",
             "weight_grad_bounds",
             "branch_sum_bound",
@@ -506,7 +496,6 @@ _COUPLINGS: tuple[tuple[str, tuple[str, ...], Callable[[ScalingRecipe], bool], s
     ),
     ("weight_probe_elements", ("exact_probes",), lambda r: r.exact_probes, "by exact probes"),
     ("weight_probe_macs", ("exact_probes",), lambda r: r.exact_probes, "by exact probes"),
-    ("reuse_probes", ("exact_probes",), lambda r: r.exact_probes, "by exact probes"),
     (
         "update_after_zero_gradient",
         ("drift_tolerance_log2",),

@@ -34,25 +34,6 @@ class UpdateReason(Enum):
     RESUMED = "asked for before the checkpoint it was restored from, which did not say why"
 
 
-# What the gradients' reading at a step asks for between the schedule's updates: such an update reuses each GEMM's
-# last probe lift instead of probing (ScalingRecipe.reuse_probes). Not a skipped or retried step's, whose batch went
-# beyond what was expected, nor a non-finite gradient's.
-READING_REASONS = frozenset(
-    {
-        UpdateReason.DRIFT,
-        UpdateReason.ZERO_GRADIENT,
-        UpdateReason.EXPECTED_MAXIMUM_EXCEEDED,
-        UpdateReason.UNMEASURED_WEIGHT_BOUND,
-    }
-)
-
-
-def probes_due(reasons: frozenset[UpdateReason]) -> bool:
-    """Whether an update run for ``reasons`` probes every GEMM: unless each is one of :data:`READING_REASONS` (none:
-    a run the schedule did not ask for, on a graph whose plan no longer matches, probes)."""
-    return not reasons or not reasons <= READING_REASONS
-
-
 class UpdateRecord(NamedTuple):
     """One update iteration and why it ran.
 

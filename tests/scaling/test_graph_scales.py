@@ -189,8 +189,6 @@ def test_an_updates_unread_rates_go_to_their_layers_where_two_share_a_name() -> 
         undecided=set(),
         weight_bound=set(),
         unmeasured=set(),
-        lifts={},
-        settings=SimpleNamespace(probe_lifts=None),
     )
     run = SimpleNamespace(decisions=decisions, unread=list, read_in=lambda values: None)  # its scales already read
     scales.keep_update(run, ScalePlan((), (), {}, {}))

@@ -148,7 +148,7 @@ def test_the_recipe_is_saved_and_a_resume_restores_it_naming_what_differed() -> 
 # The fields as the class docstring groups them; the paper preset changes exactly the last group and the
 # two paper settings the default departs from.
 ALGORITHM_1 = {"underflow_rate", "update_interval", "lambda_min", "relu_factor", "max_layer_scale", "max_total_scale"}
-MEASUREMENT = {"exact_probes", "probe_elements", "weight_probe_elements", "weight_probe_macs", "reuse_probes"}
+MEASUREMENT = {"exact_probes", "probe_elements", "weight_probe_elements", "weight_probe_macs"}
 PAPER_SILENT = {
     "weight_grad_bounds",
     "branch_sum_bound",
@@ -208,7 +208,6 @@ def test_a_field_without_effect_is_named_with_the_field_that_turns_it_off() -> N
         "weight_grad_margin_log2",
         "weight_probe_elements",
         "weight_probe_macs",
-        "reuse_probes",
         "update_after_zero_gradient",
         "level_steps",
         "kept_downstream_cap",

@@ -980,7 +980,8 @@ def headline(runs: list[Recorded]) -> list[str]:
                     )
         elif run.script == "overhead.py":
             settings, timed = run.data["settings"], next(k for k in run.data["rows"][0] if k.endswith(" ms"))
-            what = f"{settings['arch']} {timed.removesuffix(' ms')} on {settings['device']}" + (
+            size = f"batch {settings['batch size']} at {settings['image size']}²"
+            what = f"{settings['arch']} {timed.removesuffix(' ms')}, {size}, on {settings['device']}" + (
                 ", torch.compile" if settings.get("torch.compile backend") else ""
             )
             rows.append(

@@ -1,6 +1,7 @@
 """Time GradientScaler adds to one training iteration, against plain backward and GradScaler.
 
-Measured side by side in one run, methods interleaved round by round, medians reported:
+Measured side by side in one run, methods interleaved round by round, medians reported (with each method's
+fastest and slowest round, the spread a ratio sits in):
 
 * plain      ``loss.backward()`` (no protection against underflow)
 * GradScaler ``scale(loss).backward()``, ``unscale_`` (fused unscale + inf check), ``update``
@@ -265,17 +266,25 @@ def main() -> None:
         f"{clock_name}, median of {args.rounds} interleaved rounds\n"
     )
     timed = "forward+backward" if args.compile else "backward"
-    print(f"| method | {timed} ms | added vs plain (ms) | ratio vs plain | aten ops (backward) | ops added vs plain |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"| method | {timed} ms | fastest, slowest round (ms) | added vs plain (ms) | ratio vs plain | "
+        "aten ops (backward) | ops added vs plain |"
+    )
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for name, samples in times.items():
         median = statistics.median(samples)
         added = ops[name] - ops["plain backward"]
-        print(f"| {name} | {median:.1f} | {median - plain:+.2f} | {median / plain:.3f} | {ops[name]} | {added:+d} |")
+        print(
+            f"| {name} | {median:.1f} | {min(samples):.1f}, {max(samples):.1f} | {median - plain:+.2f} | "
+            f"{median / plain:.3f} | {ops[name]} | {added:+d} |"
+        )
         rows.append(
             {
                 "method": name,
                 f"{timed} ms": median,
+                "fastest round ms": min(samples),
+                "slowest round ms": max(samples),
                 "added vs plain (ms)": median - plain,
                 "ratio vs plain": median / plain,
                 "aten ops (backward)": ops[name],

@@ -273,18 +273,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     rows = []
     for name, samples in times.items():
-        median = statistics.median(samples)
+        median, fastest, slowest = statistics.median(samples), min(samples), max(samples)
         added = ops[name] - ops["plain backward"]
         print(
-            f"| {name} | {median:.1f} | {min(samples):.1f}, {max(samples):.1f} | {median - plain:+.2f} | "
+            f"| {name} | {median:.1f} | {fastest:.1f}, {slowest:.1f} | {median - plain:+.2f} | "
             f"{median / plain:.3f} | {ops[name]} | {added:+d} |"
         )
         rows.append(
             {
                 "method": name,
                 f"{timed} ms": median,
-                "fastest round ms": min(samples),
-                "slowest round ms": max(samples),
+                "fastest round ms": fastest,
+                "slowest round ms": slowest,
                 "added vs plain (ms)": median - plain,
                 "ratio vs plain": median / plain,
                 "aten ops (backward)": ops[name],

@@ -948,6 +948,28 @@ PAGES = (
 
 def headline(runs: list[Recorded]) -> list[str]:
     """The README's one table: the main numbers of each results page, with the page they come from."""
+    return [
+        "| measured here | result | from |",
+        "|---|---|---|",
+        *[
+            f"| {what} | {result} | [{PAGE_TITLES[page]}](docs/results/{page}) |"
+            for what, result, page in headline_rows(runs)
+        ],
+    ]
+
+
+def page_answer(runs: list[Recorded], page: str) -> list[str]:
+    """A results page's answer, first: its rows of the README's table (:func:`headline_rows`)."""
+    rows = [(what, result) for what, result, on in headline_rows(runs) if on == page]
+    return (
+        ["| measured here | result |", "|---|---|", *[f"| {what} | {result} |" for what, result in rows], ""]
+        if rows
+        else []
+    )
+
+
+def headline_rows(runs: list[Recorded]) -> list[tuple[str, str, str]]:
+    """(what was measured, its main numbers, the results page they come from), run by run."""
     rows: list[tuple[str, str, str]] = []
     # the training tables last, the paper's experiments first (stable: the other runs keep their order)
     for run in sorted(runs, key=lambda r: _task_order(r) if r.script == "compare_training.py" else -1):
@@ -1040,11 +1062,7 @@ def headline(runs: list[Recorded]) -> list[str]:
                     "fidelity.md",
                 )
             )
-    return [
-        "| measured here | result | from |",
-        "|---|---|---|",
-        *[f"| {what} | {result} | [{PAGE_TITLES[page]}](docs/results/{page}) |" for what, result, page in rows],
-    ]
+    return rows
 
 
 # compare_training's methods the README's table sets side by side, in each gradient setting that has GS and one of
@@ -1096,6 +1114,8 @@ def pages(runs: list[Recorded], draw: bool = False) -> dict[Path, str]:
         if page.file == "training.md":
             selected.sort(key=_task_order)
             lines += training_answer(selected)
+        else:
+            lines += page_answer(selected, page.file)
         for run in selected:
             lines += SECTIONS[run.script](run)
             if draw and run.script in TRAINING_SCRIPTS:
